@@ -1,0 +1,191 @@
+"""LightningModules: a policy that samples and is validated, and the RL module that trains it."""
+
+import copy
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import GenerationConfig
+
+from lit_cancel.batch import RolloutBatch
+from lit_cancel.hub import load_causal_lm, load_tokenizer
+from lit_cancel.logprobs import completion_logprobs
+from lit_cancel.objectives import GRPO, Objective
+
+
+@dataclass
+class Generation:
+    """Completions sampled for a batch of prompts; row ``i * n + k`` is sample ``k`` of prompt ``i``.
+
+    Attributes:
+        input_ids: ``[B * n, P + C]`` prompts (left-padded) followed by completions (right-padded).
+        attention_mask: ``[B * n, P + C]``.
+        completion_mask: ``[B * n, C]``, one up to and including the first EOS.
+        prompt_length: ``P``.
+        texts: decoded completions, special tokens removed.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+    prompt_length: int
+    texts: list[str]
+
+
+class PolicyModule(L.LightningModule):
+    """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
+
+    Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
+    ``records``; the datamodule's ``score(records, completions)`` gives the rewards. Logged:
+    ``val/accuracy`` (mean reward of ``val_samples`` samples per prompt at ``temperature``) and
+    ``val/greedy_accuracy`` (greedy pass@1).
+
+    Args:
+        model_path: local Hugging Face model folder, or ``embedded:tiny-adder``.
+        optimizer: optimizer factory, e.g. ``torch.optim.AdamW`` with its ``lr``.
+        lr_scheduler: optional scheduler factory, stepped every optimizer step.
+        temperature: sampling temperature, for rollouts and for the log-probs of the objective.
+        top_p: nucleus sampling threshold (1.0 samples from the full distribution).
+        max_new_tokens: longest completion.
+        val_samples: samples per held-out prompt for ``val/accuracy``.
+        logprob_chunk_size: token positions whose logits are materialised at once.
+        dtype: parameter dtype to load (``float32``, ``bfloat16``); None keeps the checkpoint's.
+        from_scratch: build the architecture from the folder's ``config.json`` with random weights.
+    """
+
+    def __init__(
+        self,
+        model_path: str = "embedded:tiny-adder",
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        val_samples: int = 4,
+        logprob_chunk_size: int = 1024,
+        dtype: str | None = None,
+        from_scratch: bool = False,
+    ):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if max_new_tokens < 1 or val_samples < 1 or logprob_chunk_size < 1:
+            raise ValueError(
+                f"max_new_tokens, val_samples and logprob_chunk_size must be >= 1, got "
+                f"{max_new_tokens}, {val_samples}, {logprob_chunk_size}"
+            )
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
+        self.tokenizer = load_tokenizer(model_path, option="model_path")
+        # from_pretrained returns eval mode; rollout() switches to eval itself
+        self.policy = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
+        self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
+
+    @torch.no_grad()
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
+        """Samples ``num_samples`` completions of each left-padded prompt with ``generate``, stopping at EOS."""
+        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        config = GenerationConfig(
+            do_sample=not greedy,
+            max_new_tokens=self.max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **sampling,
+        )
+        was_training = self.policy.training
+        self.policy.eval()
+        sequences = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        self.policy.train(was_training)
+
+        prompt_length = input_ids.shape[1]
+        completions = sequences[:, prompt_length:]
+        is_eos = completions == self.tokenizer.eos_token_id
+        # one up to and including the first EOS
+        completion_mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        completions = completions.masked_fill(~completion_mask, self.tokenizer.pad_token_id)
+        prompt_mask = attention_mask.repeat_interleave(num_samples, dim=0)
+        return Generation(
+            input_ids=torch.cat([sequences[:, :prompt_length], completions], dim=1),
+            attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
+            completion_mask=completion_mask.long(),
+            prompt_length=prompt_length,
+            texts=self.tokenizer.batch_decode(completions, skip_special_tokens=True),
+        )
+
+    def completion_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
+        """``(logprobs, entropy)`` of the completion tokens under ``model`` at the sampling temperature."""
+        return completion_logprobs(
+            model, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size
+        )
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        records, size = batch["records"], len(batch["records"])
+        score = self.trainer.datamodule.score
+        greedy = self.rollout(batch["input_ids"], batch["attention_mask"], greedy=True)
+        self.val_greedy_accuracy.update(score(records, greedy.texts))
+        sampled = self.rollout(batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
+        self.val_accuracy.update(score([r for r in records for _ in range(self.val_samples)], sampled.texts))
+        self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples)
+        self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(p for p in self.parameters() if p.requires_grad)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+class RLModule(PolicyModule):
+    """Critic-free RL on rollout mini-batches: policy, optional reference model, and an objective.
+
+    The training step receives a :class:`RolloutBatch` (built by ``RolloutDataModule``) and
+    returns a dict that callbacks read in ``on_train_batch_end``: ``loss``, ``credits``
+    (``[B, C]``, detached, ``-d loss / d logprobs``), ``logprobs`` and ``entropy`` (``[B, C]``,
+    detached) and ``completion_mask``.
+
+    Args:
+        objective: the objective; :class:`GRPO` when None. A reference model is built only when
+            its ``kl_coef`` is above 0.
+        **kwargs: see :class:`PolicyModule`.
+    """
+
+    def __init__(self, model_path: str = "embedded:tiny-adder", objective: Objective | None = None, **kwargs):
+        super().__init__(model_path, **kwargs)
+        self.objective = objective if objective is not None else GRPO()
+        self.reference = None
+        if self.objective.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
+        """``(old_logprobs, ref_logprobs)`` of freshly sampled completions; None where not needed."""
+        args = (generation.input_ids, generation.attention_mask, generation.prompt_length)
+        old = self.completion_logprobs(self.policy, *args)[0] if with_old_logprobs else None
+        ref = self.completion_logprobs(self.reference, *args)[0] if self.reference is not None else None
+        return old, ref
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
+        logprobs, entropy = self.completion_logprobs(
+            self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
+        )
+        out = self.objective(logprobs, batch)
+        mask = batch.completion_mask
+        size = len(batch)
+        self.log_dict(out.metrics, batch_size=size)
+        self.log("health/entropy", (entropy * mask).sum() / mask.sum().clamp(min=1), batch_size=size)
+        if batch.stats:
+            self.log_dict(batch.stats, batch_size=size)
+        return {
+            "loss": out.loss,
+            "credits": out.credits,
+            "logprobs": logprobs.detach(),
+            "entropy": entropy,
+            "completion_mask": mask,
+        }

@@ -1,0 +1,90 @@
+"""Supervised warm-up: teaches a policy the task's format from reference solutions.
+
+This is how the embedded tiny model was made (``configs/sft-tiny.yaml``): a partly correct policy,
+so that RL rollout groups have mixed rewards.
+"""
+
+import random
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lit_cancel.data import TaskDataModule
+from lit_cancel.module import PolicyModule
+from lit_cancel.tasks import Record, Task
+
+
+class _Solutions(Dataset):
+    def __init__(self, task: Task, seed: int):
+        self.records, self.task, self.seed = task.train_records(), task, seed
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> tuple[Record, str]:
+        record = self.records[index]
+        return record, random.Random(self.seed * 1_000_003 + index).choice(self.task.solutions(record))
+
+
+class SFTDataModule(TaskDataModule):
+    """Prompt + reference solution pairs; the loss covers the solution and its EOS, not the prompt.
+
+    Args:
+        task: where prompts and their solutions come from.
+        tokenizer_path: folder of the tokenizer; the CLI links it to ``model.init_args.model_path``.
+        batch_size: examples per optimizer step.
+        val_batch_size: held-out prompts per validation batch.
+        seed: seed of the order and of the choice among equivalent solutions.
+    """
+
+    def __init__(self, task: Task, tokenizer_path: str = "embedded:tiny-adder", batch_size: int = 64, val_batch_size: int = 200, seed: int = 0):
+        super().__init__(task, tokenizer_path, val_batch_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.seed = batch_size, seed
+
+    def collate(self, examples: list[tuple[Record, str]]) -> dict:
+        prompts = self.tokenizer([r["prompt"] for r, _ in examples], add_special_tokens=False)["input_ids"]
+        answers = self.tokenizer([s for _, s in examples], add_special_tokens=False)["input_ids"]
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        sequences = [p + a + [eos] for p, a in zip(prompts, answers)]
+        width = max(map(len, sequences))
+        input_ids = torch.full((len(sequences), width), pad)
+        labels = torch.full((len(sequences), width), -100)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+            input_ids[row, : len(sequence)] = torch.tensor(sequence)
+            labels[row, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :])
+            attention_mask[row, : len(sequence)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            _Solutions(self.task, self.seed), batch_size=self.batch_size, shuffle=True, drop_last=True,
+            generator=generator, collate_fn=self.collate,
+        )
+
+
+class SFTModule(PolicyModule):
+    """Next-token cross-entropy on reference solutions; saves the policy as a Hugging Face folder at the end.
+
+    Args:
+        output_dir: where ``save_pretrained`` writes the model and tokenizer when training ends; None skips it.
+        **kwargs: see :class:`PolicyModule` (``from_scratch=True`` starts from random weights).
+    """
+
+    def __init__(self, model_path: str = "embedded:tiny-adder", output_dir: str | None = None, **kwargs):
+        super().__init__(model_path, **kwargs)
+        self.output_dir = output_dir
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.policy(**batch).loss
+        self.log("loss/sft", loss, prog_bar=True)
+        return loss
+
+    def on_train_end(self) -> None:
+        if self.output_dir is None or not self.trainer.is_global_zero:
+            return
+        self.policy.save_pretrained(self.output_dir)
+        self.tokenizer.save_pretrained(self.output_dir)

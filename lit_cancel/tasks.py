@@ -1,0 +1,215 @@
+"""Tasks: where prompts come from and how a completion is rewarded.
+
+A task hands out records (plain dicts with at least a ``"prompt"`` string), scores a completion of
+a record with a verifiable reward, and lists correct reference completions for supervised warm-up
+and drift probes. Two tasks ship: the embedded :class:`AdditionTask` and :class:`MathWordTask` for
+GSM8K-style files read through ``datasets``.
+"""
+
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+Record = dict
+
+
+class Task(ABC):
+    """A source of prompt records with a verifiable reward."""
+
+    @abstractmethod
+    def train_records(self) -> list[Record]:
+        """Records to train on, in a fixed order."""
+
+    @abstractmethod
+    def val_records(self) -> list[Record]:
+        """Held-out records for validation."""
+
+    @abstractmethod
+    def reward(self, record: Record, completion: str) -> float:
+        """The reward of ``completion`` (decoded text, special tokens removed) for ``record``."""
+
+    @abstractmethod
+    def solutions(self, record: Record) -> list[str]:
+        """Correct completions of ``record``; several where the task has equivalent solutions."""
+
+
+class AdditionTask(Task):
+    """Multi-digit addition with a written, digit-by-digit scratchpad.
+
+    The prompt is ``"047+385="``. A completion writes one step per digit from the right, each with
+    its carry, then the answer after ``|``::
+
+        7+5+0=12,4+8+1=13,0+3+1=4|432
+
+    Only the number after ``|`` is verified. The two operands of each step may be written in
+    either order, so a problem has up to ``2**num_digits`` equivalent correct solutions.
+
+    Args:
+        num_digits: digits per operand; operands are zero-padded, so every prompt has one length.
+        train_size: number of training problems.
+        val_size: number of held-out problems, disjoint from the training problems.
+        seed: seed of the generator that draws both splits.
+    """
+
+    def __init__(self, num_digits: int = 3, train_size: int = 5000, val_size: int = 200, seed: int = 0):
+        if num_digits < 1:
+            raise ValueError(f"AdditionTask: num_digits must be >= 1, got {num_digits}")
+        if train_size < 1 or val_size < 1:
+            raise ValueError(f"AdditionTask: train_size and val_size must be >= 1, got {train_size} and {val_size}")
+        if train_size + val_size > 10 ** (2 * num_digits) // 2:
+            raise ValueError(
+                f"AdditionTask: {train_size + val_size} problems requested, but {num_digits}-digit operands "
+                f"allow at most {10 ** (2 * num_digits) // 2} distinct ones; lower train_size/val_size"
+            )
+        self.num_digits = num_digits
+        rng = random.Random(seed)
+        pairs: dict[tuple[int, int], None] = {}
+        while len(pairs) < train_size + val_size:
+            pairs.setdefault((rng.randrange(10**num_digits), rng.randrange(10**num_digits)))
+        ordered = list(pairs)
+        self._val = [self._record(a, b) for a, b in ordered[:val_size]]
+        self._train = [self._record(a, b) for a, b in ordered[val_size:]]
+
+    def _record(self, a: int, b: int) -> Record:
+        n = self.num_digits
+        return {"prompt": f"{a:0{n}d}+{b:0{n}d}=", "a": a, "b": b, "answer": str(a + b)}
+
+    def train_records(self) -> list[Record]:
+        return self._train
+
+    def val_records(self) -> list[Record]:
+        return self._val
+
+    def reward(self, record: Record, completion: str) -> float:
+        return float(parse_addition_answer(completion) == record["answer"])
+
+    def solution(self, record: Record, swap: list[bool]) -> str:
+        """The scratchpad solution; ``swap[i]`` writes step ``i``'s operands in reverse order."""
+        a, b, carry, steps = record["a"], record["b"], 0, []
+        for i in range(self.num_digits):
+            x, y = a // 10**i % 10, b // 10**i % 10
+            total = x + y + carry
+            first, second = (y, x) if swap[i] else (x, y)
+            steps.append(f"{first}+{second}+{carry}={total}")
+            carry = total // 10
+        return ",".join(steps) + "|" + record["answer"]
+
+    def solutions(self, record: Record) -> list[str]:
+        n = self.num_digits
+        variants = (self.solution(record, [bool(mask >> i & 1) for i in range(n)]) for mask in range(2**n))
+        return list(dict.fromkeys(variants))
+
+
+def parse_addition_answer(completion: str) -> str | None:
+    """The digits after the last ``|``, or None when the completion does not end in ``|<digits>``."""
+    match = re.search(r"\|(\d+)\s*$", completion)
+    return match.group(1).lstrip("0") or "0" if match else None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def parse_final_number(text: str) -> float | None:
+    """The number after ``####`` if present, else the last number in ``text``; commas ignored."""
+    marked = "####" in text
+    numbers = _NUMBER.findall(text.rsplit("####", 1)[1] if marked else text)
+    if not numbers:
+        return None
+    return float(numbers[0 if marked else -1].replace(",", ""))
+
+
+def final_number_reward(record: Record, completion: str) -> float:
+    """1.0 when the completion's final number equals the reference answer's number, else 0.0."""
+    predicted = parse_final_number(completion)
+    return float(predicted is not None and abs(predicted - record["answer_number"]) < 1e-6)
+
+
+class MathWordTask(Task):
+    """GSM8K-style word problems from local jsonl, json or parquet files, read with ``datasets``.
+
+    Each row needs a question field and an answer field whose final number follows ``####``
+    (``"... so she has 5 apples.\\n#### 5"``).
+
+    Args:
+        train_file: path of the training rows (``.jsonl``, ``.json`` or ``.parquet``).
+        val_file: path of the held-out rows; when None, the last ``val_size`` training rows are held out.
+        val_size: held-out rows taken from ``train_file`` when ``val_file`` is None.
+        question_field: name of the question field.
+        answer_field: name of the answer field.
+        prompt_template: format string for the prompt, with a ``{question}`` placeholder.
+        reward_fn: ``(record, completion) -> float``; defaults to :func:`final_number_reward`.
+    """
+
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str | None = None,
+        val_size: int = 100,
+        question_field: str = "question",
+        answer_field: str = "answer",
+        prompt_template: str = "Question: {question}\nAnswer:",
+        reward_fn: Callable[[Record, str], float] = final_number_reward,
+    ):
+        if "{question}" not in prompt_template:
+            raise ValueError(f"MathWordTask: prompt_template must contain '{{question}}', got {prompt_template!r}")
+        self.question_field, self.answer_field = question_field, answer_field
+        self.prompt_template, self.reward_fn = prompt_template, reward_fn
+        train = self._load(train_file)
+        if val_file is None:
+            if not 0 < val_size < len(train):
+                raise ValueError(
+                    f"MathWordTask: val_size={val_size} must be between 1 and the {len(train)} rows of {train_file} "
+                    "minus one, or give val_file"
+                )
+            train, val = train[:-val_size], train[-val_size:]
+        else:
+            val = self._load(val_file)
+        self._train, self._val = train, val
+
+    def _load(self, path: str) -> list[Record]:
+        import datasets
+
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"MathWordTask: data file {path!r} does not exist")
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
+        if builder is None:
+            raise ValueError(f"MathWordTask: data file {path!r} must end in .jsonl, .json or .parquet")
+        rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+        missing = [f for f in (self.question_field, self.answer_field) if f not in rows.column_names]
+        if missing:
+            raise ValueError(
+                f"MathWordTask: data file {path!r} has no field {missing[0]!r} (fields: {rows.column_names}); "
+                f"expected rows with {self.question_field!r} and {self.answer_field!r}, or set question_field/answer_field"
+            )
+        records = []
+        for index, row in enumerate(rows):
+            answer = row[self.answer_field]
+            number = parse_final_number(answer) if isinstance(answer, str) and "####" in answer else None
+            if number is None:
+                raise ValueError(
+                    f"MathWordTask: {path!r} row {index} field {self.answer_field!r} is {answer!r}; "
+                    "expected text ending in '#### <number>'"
+                )
+            records.append(
+                {
+                    "prompt": self.prompt_template.format(question=row[self.question_field]),
+                    "answer": answer,
+                    "answer_number": number,
+                }
+            )
+        return records
+
+    def train_records(self) -> list[Record]:
+        return self._train
+
+    def val_records(self) -> list[Record]:
+        return self._val
+
+    def reward(self, record: Record, completion: str) -> float:
+        return self.reward_fn(record, completion)
+
+    def solutions(self, record: Record) -> list[str]:
+        return [" " + record["answer"]]

@@ -1,0 +1,37 @@
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lit_cancel.tokenizer import build_char_tokenizer
+
+
+def save_tiny_model(folder, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A randomly initialised Qwen2 with the character tokenizer, saved as a Hugging Face folder."""
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_file(tmp_path_factory):
+    rows = [
+        {"question": f"Tom has {a} apples and buys {b} more. How many now?", "answer": f"He has {a}+{b}={a + b}.\n#### {a + b}"}
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (9, 9), (3, 3), (8, 1), (2, 2), (5, 5)]
+    ]
+    path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

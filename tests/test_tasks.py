@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from lit_cancel.tasks import AdditionTask, MathWordTask, final_number_reward, parse_final_number
+
+
+@pytest.fixture(scope="module")
+def task():
+    return AdditionTask(num_digits=3, train_size=50, val_size=10, seed=1)
+
+
+def test_addition_verifier_on_hand_written_completions(task):
+    record = {"prompt": "047+385=", "a": 47, "b": 385, "answer": "432"}
+    assert task.reward(record, "7+5+0=12,4+8+1=13,0+3+1=4|432") == 1.0
+    assert task.reward(record, "|432") == 1.0  # only the final answer is verified
+    assert task.reward(record, "7+5+0=12,4+8+1=13,0+3+1=4|433") == 0.0  # wrong
+    assert task.reward(record, "7+5+0=12,4+8+1=13,0+3+1=4|") == 0.0  # no answer
+    assert task.reward(record, "7+5+0=12,4+8+1=13|43a") == 0.0  # malformed
+    assert task.reward(record, "432") == 0.0  # missing the '|' marker
+    assert task.reward(record, "") == 0.0
+
+
+def test_addition_solutions_are_correct_and_equivalent(task):
+    record = {"prompt": "047+385=", "a": 47, "b": 385, "answer": "432"}
+    solutions = task.solutions(record)
+    assert solutions[0] == "7+5+0=12,4+8+1=13,0+3+1=4|432"
+    assert "5+7+0=12,8+4+1=13,3+0+1=4|432" in solutions
+    assert len(solutions) == len(set(solutions)) == 8
+    assert all(task.reward(record, s) == 1.0 for s in solutions)
+    # equal digits give one ordering only: 1+1 has no swapped twin
+    assert len(task.solutions({"prompt": "111+222=", "a": 111, "b": 222, "answer": "333"})) == 8
+    assert len(task.solutions({"prompt": "111+111=", "a": 111, "b": 111, "answer": "222"})) == 1
+
+
+def test_addition_splits_are_disjoint_and_deterministic(task):
+    again = AdditionTask(num_digits=3, train_size=50, val_size=10, seed=1)
+    assert task.train_records() == again.train_records()
+    train = {r["prompt"] for r in task.train_records()}
+    val = {r["prompt"] for r in task.val_records()}
+    assert len(train) == 50 and len(val) == 10 and not train & val
+    assert all(len(r["prompt"]) == 8 for r in task.train_records())
+
+
+def test_addition_rejects_impossible_sizes():
+    with pytest.raises(ValueError, match="at most 50 distinct"):
+        AdditionTask(num_digits=1, train_size=60, val_size=10)
+
+
+def test_final_number_parsing():
+    assert parse_final_number("She has 3 then 1,234 apples.\n#### 1,234") == 1234
+    assert parse_final_number("first 2 then -7.5") == -7.5
+    assert parse_final_number("no number here") is None
+    record = {"answer_number": 42.0}
+    assert final_number_reward(record, " so the answer is 42") == 1.0
+    assert final_number_reward(record, " 42 or maybe 41") == 0.0
+    assert final_number_reward(record, "") == 0.0
+
+
+def test_math_word_task_reads_jsonl(gsm8k_file):
+    task = MathWordTask(train_file=gsm8k_file, val_size=2)
+    assert len(task.train_records()) == 10 and len(task.val_records()) == 2
+    record = task.train_records()[0]
+    assert record["prompt"] == "Question: Tom has 1 apples and buys 2 more. How many now?\nAnswer:"
+    assert record["answer_number"] == 3
+    assert task.reward(record, " 1+2=3. #### 3") == 1.0
+    assert task.reward(record, " 4") == 0.0
+
+
+def test_math_word_task_reads_parquet(tmp_path, gsm8k_file):
+    import datasets
+
+    path = tmp_path / "rows.parquet"
+    datasets.load_dataset("json", data_files=gsm8k_file, split="train").to_parquet(str(path))
+    assert len(MathWordTask(train_file=str(path), val_size=2).train_records()) == 10
+
+
+def test_math_word_task_names_missing_field(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl' has no field 'question'.*fields: \['problem', 'answer'\]"):
+        MathWordTask(train_file=str(path), val_file=str(path))
+
+
+def test_math_word_task_names_bad_row(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q", "answer": "two"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 1 field 'answer' is 'two'.*'#### <number>'"):
+        MathWordTask(train_file=str(path), val_file=str(path))
+
+
+def test_math_word_task_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl' does not exist"):
+        MathWordTask(train_file=str(tmp_path / "nope.jsonl"))
