@@ -19,8 +19,8 @@ class LitCancelCLI(LightningCLI):
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
 
-def main(args: list[str] | None = None) -> LitCancelCLI:
-    """Runs the command line; ``args`` replaces ``sys.argv[1:]`` (as in tests)."""
+def run_cli(args: list[str] | None = None) -> LitCancelCLI:
+    """Runs the command line and returns it; ``args`` replaces ``sys.argv[1:]`` (as in tests)."""
     return LitCancelCLI(
         LightningModule,
         LightningDataModule,
@@ -32,6 +32,11 @@ def main(args: list[str] | None = None) -> LitCancelCLI:
         trainer_defaults={"inference_mode": False},
         args=args,
     )
+
+
+def main() -> None:
+    """The ``lit-cancel`` console script."""
+    run_cli()
 
 
 if __name__ == "__main__":

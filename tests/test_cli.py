@@ -5,7 +5,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from lit_cancel.cli import main
+from lit_cancel.cli import run_cli as main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

@@ -1,0 +1,19 @@
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lit_cancel.cli import run_cli
+
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.slow
+def test_quickstart_raises_held_out_accuracy_by_ten_points(tmp_path):
+    cli = run_cli(["fit", "--config", str(QUICKSTART), f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false"])
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    accuracy = [e.value for e in events.Scalars("val/accuracy")]
+    assert len(accuracy) == 5  # before training, then every 25 of the 100 steps
+    assert accuracy[-1] - accuracy[0] >= 0.10, accuracy
