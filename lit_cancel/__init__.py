@@ -1,27 +1,52 @@
 """lit_cancel: critic-free RL fine-tuning of language models whose token gradients cancel within a group."""
 
+from lit_cancel.advantages import BatchNormalised, GroupNormalised, LeaveOneOut, MeanCentred
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.clipping import AsymmetricClip, DualClip, NoClip, SymmetricClip
 from lit_cancel.data import RewardError, RolloutDataModule, TaskDataModule
+from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
 from lit_cancel.module import Generation, PolicyModule, RLModule
-from lit_cancel.objectives import GRPO, Objective, ObjectiveOutput, group_advantages
+from lit_cancel.normalisers import ConstantLength, SequenceMean, TokenMean
+from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
+from lit_cancel.presets import DAPO, GRPO, GSPO, PRESETS, RLOO, DFPOMin, DFPOOrth, DrGRPO
 from lit_cancel.sft import SFTDataModule, SFTModule
 from lit_cancel.tasks import AdditionTask, MathWordTask, Task
 
 __all__ = [
     "AdditionTask",
-    "GRPO",
+    "AdvOrthogonal",
+    "AsymmetricClip",
+    "BatchNormalised",
+    "ConstantLength",
+    "DAPO",
+    "DFPOMin",
+    "DFPOOrth",
+    "DrGRPO",
+    "DualClip",
     "Generation",
+    "GroupNormalised",
+    "GRPO",
+    "GSPO",
+    "LeaveOneOut",
     "MathWordTask",
+    "MeanCentred",
+    "MinReplace",
+    "NoClip",
     "Objective",
     "ObjectiveOutput",
+    "PolicyGradient",
     "PolicyModule",
-    "RLModule",
+    "PRESETS",
     "RewardError",
+    "RLModule",
+    "RLOO",
     "RolloutBatch",
     "RolloutDataModule",
+    "SequenceMean",
     "SFTDataModule",
     "SFTModule",
+    "SymmetricClip",
     "Task",
     "TaskDataModule",
-    "group_advantages",
+    "TokenMean",
 ]

@@ -25,9 +25,10 @@ class RolloutBatch:
         old_logprobs: ``[B, C]`` log-probs under the policy that sampled the rollouts; None when the
             step is on-policy, in which case the objective uses the detached current log-probs.
         ref_logprobs: ``[B, C]`` log-probs under the reference model, or None without a KL term.
-        step_sequences: number of sequences the optimizer step averages over, so a loss normalised
-            by it does not depend on how the step's rollouts are split.
-        step_tokens: number of completion tokens in the optimizer step, likewise.
+        step_sequences: sequences in the optimizer step (all micro-batches and processes), divided
+            by the number of micro-batches that Lightning and DDP average over; a loss normalised by
+            it does not depend on how the step's rollouts are split.
+        step_tokens: completion tokens in the optimizer step, likewise divided.
         stats: rollout statistics of the round (``rollout/...``) to log with this mini-batch.
     """
 
@@ -40,8 +41,8 @@ class RolloutBatch:
     group_ids: Tensor
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
-    step_sequences: int = 0
-    step_tokens: int = 0
+    step_sequences: float = 0.0
+    step_tokens: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:

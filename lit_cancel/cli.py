@@ -1,7 +1,11 @@
 """The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links."""
 
+import sys
+
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch import LightningDataModule, LightningModule
+
+from lit_cancel import audit
 
 
 class LitCancelCLI(LightningCLI):
@@ -35,7 +39,9 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
 
 
 def main() -> None:
-    """The ``lit-cancel`` console script."""
+    """The ``lit-cancel`` console script: LightningCLI's subcommands, and ``audit-objective``."""
+    if sys.argv[1:2] == ["audit-objective"]:
+        sys.exit(audit.main(sys.argv[2:]))
     run_cli()
 
 

@@ -70,7 +70,8 @@ class RolloutDataModule(TaskDataModule):
     ``group_size`` completions of each with the LightningModule's ``rollout()``, scores them with
     the task's reward, computes advantages with the module's ``objective.advantages`` over each
     whole group, and cuts the round into ``mini_batches_per_round`` mini-batches of whole groups.
-    Each mini-batch is one optimizer step; the next round is sampled when the last is spent.
+    Each mini-batch is one optimizer step, split into ``trainer.accumulate_grad_batches``
+    micro-batches of whole groups; the next round is sampled when the last is spent.
 
     Lightning fetches one batch ahead of the training step, so the train dataloader yields
     placeholders and the round is sampled in ``on_before_batch_transfer``, which runs after the
@@ -118,10 +119,12 @@ class RolloutDataModule(TaskDataModule):
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        if self.prompts_per_round % (world * self.mini_batches_per_round):
+        accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        if self.prompts_per_round % (world * self.mini_batches_per_round * accumulation):
             raise ValueError(
                 f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world}) "
-                f"times mini_batches_per_round ({self.mini_batches_per_round})"
+                f"times mini_batches_per_round ({self.mini_batches_per_round}) times trainer.accumulate_grad_batches "
+                f"({accumulation}): every micro-batch holds whole groups"
             )
         if stage == "fit" and len(self.task.train_records()) < self.prompts_per_round:
             raise ValueError(
@@ -191,13 +194,24 @@ class RolloutDataModule(TaskDataModule):
         return self.plan(round_batch, stats)
 
     def plan(self, round_batch: RolloutBatch, stats: dict[str, float]) -> list[RolloutBatch]:
-        """Cuts a round into mini-batches of whole groups, in the round's (already random) prompt order."""
-        rows_per_batch = len(round_batch) // self.mini_batches_per_round
+        """Cuts a round into optimizer steps of whole groups, in the round's (already random) prompt order.
+
+        Each step is split into ``trainer.accumulate_grad_batches`` micro-batches of whole groups.
+        ``step_sequences`` and ``step_tokens`` count the whole step over all processes, divided by
+        the number of micro-batches that Lightning and DDP average over, so that normalising by
+        them gives the same gradient however the step is split.
+        """
+        accumulation, world = self.trainer.accumulate_grad_batches, self.trainer.world_size
+        device = round_batch.input_ids.device
+        rows_per_step = len(round_batch) // self.mini_batches_per_round
+        tokens = round_batch.completion_mask.view(self.mini_batches_per_round, -1).sum(1).float()
+        tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+        micro_rows = rows_per_step // accumulation
         batches = []
-        for start in range(0, len(round_batch), rows_per_batch):
-            batch = round_batch.select(torch.arange(start, start + rows_per_batch, device=round_batch.input_ids.device))
-            batch.step_sequences = len(batch)
-            batch.step_tokens = int(batch.completion_mask.sum())
+        for start in range(0, len(round_batch), micro_rows):
+            batch = round_batch.select(torch.arange(start, start + micro_rows, device=device))
+            batch.step_sequences = rows_per_step / accumulation
+            batch.step_tokens = float(tokens[start // rows_per_step]) / (world * accumulation)
             batches.append(batch)
         batches[0].stats = stats
         return batches

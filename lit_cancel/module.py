@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs
-from lit_cancel.objectives import GRPO, Objective
+from lit_cancel.objectives import Objective
+from lit_cancel.presets import GRPO
 
 
 @dataclass

@@ -1,17 +1,23 @@
-"""Objectives of the GRPO family.
+"""Objectives of the GRPO family, composed from small parts.
 
 Every objective has a gradient of the form ``-sum_{i,t} c_{i,t} grad logp_{i,t}`` and returns its
 loss together with the detached per-token credits ``c`` (``ObjectiveOutput.credits``), so
-instruments and tests can read them without knowing the objective.
+instruments and tests can read them without knowing the objective. The named presets are in
+:mod:`lit_cancel.presets`.
 """
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from lit_cancel.advantages import AdvantageEstimator, GroupNormalised
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.clipping import Clip, NoClip, SymmetricClip
+from lit_cancel.group_transforms import GroupTransform
+from lit_cancel.normalisers import Normaliser, SequenceMean
 
 
 @dataclass
@@ -27,26 +33,6 @@ class ObjectiveOutput:
     loss: Tensor
     credits: Tensor
     metrics: dict[str, Tensor]
-
-
-def group_advantages(rewards: Tensor, scale_by_std: bool = True, eps: float = 1e-4) -> Tensor:
-    """``r_i - mean(r)`` within each group (row of ``rewards``), divided by the group std if asked.
-
-    Args:
-        rewards: ``[num_groups, group_size]``.
-        scale_by_std: divide by the unbiased standard deviation of the group plus ``eps``.
-        eps: added to the std so that groups with equal rewards get advantage 0, not NaN.
-    """
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        centred = centred / (rewards.std(dim=1, keepdim=True) + eps)
-    return centred
-
-
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> tuple[Tensor, Tensor]:
-    """The k3 estimator of KL(policy || reference) per token, and its derivative w.r.t. ``logprobs``."""
-    log_ratio = ref_logprobs - logprobs
-    return log_ratio.exp() - log_ratio - 1, 1 - log_ratio.exp()
 
 
 class Objective(ABC):
@@ -67,59 +53,124 @@ class Objective(ABC):
         """The loss and credits for ``logprobs`` (``[B, C]``, with grad) of ``batch``'s completions."""
 
 
-class GRPO(Objective):
-    """GRPO: PPO-clipped token ratios, group-normalised advantages, per-sequence token mean.
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> tuple[Tensor, Tensor]:
+    """A per-token estimate of KL(policy || reference) and its derivative w.r.t. ``logprobs``.
 
-    ::
+    ``k1 = logp - logp_ref``, ``k2 = (logp - logp_ref)^2 / 2``, ``k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1``.
+    """
+    delta = logprobs - ref_logprobs
+    if estimator == "k1":
+        return delta, torch.ones_like(delta)
+    if estimator == "k2":
+        return 0.5 * delta**2, delta
+    if estimator == "k3":
+        return (-delta).exp() + delta - 1, 1 - (-delta).exp()
+    raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
-        r_it = exp(logp_it - logp_old_it)
-        L = 1/S sum_i 1/|y_i| sum_t [ -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) + beta k3_it ]
-        c_it = 1/(S |y_i|) [ r_it A_i 1{not clipped} + beta (exp(logp_ref_it - logp_it) - 1) ]
 
-    ``S`` is ``batch.step_sequences``. The ``1/|y_i|`` normaliser gives tokens that every member of
-    a group shares unequal credit when the members' lengths differ, so GRPO does not cancel on them.
+class PolicyGradient(Objective):
+    """The family's common form, composed from parts::
+
+        w_it  = exp(logp_it - logp_old_it)                              ratio="token"
+        w_i   = exp(mean_t (logp_it - logp_old_it))                      ratio="sequence" (GSPO)
+        L     = -sum_{i,t} clip(w, A_i) / N_it + beta sum KL_it / N_it - alpha sum H^_it / N_it
+        c_it  = w A_i 1{not clipped} / N_it  (token)   or   w_i A_i 1{not clipped} mean_t'(1/N_it')  (sequence)
+
+    With a ``group_transform`` (DFPO) the estimator is clip-free and linear: the sequence weights are
+    transformed within each group under stop-gradient, ``L = -sum sg(w~_i) A_i logp_it / N_it`` and
+    ``c_it = w~_i A_i / N_it``. The entropy bonus uses the sampled tokens' estimate
+    ``grad H ~ -sum sg(logp) grad logp``, so the credit form still holds.
 
     Args:
-        clip_eps: PPO clip range ``eps``.
-        kl_coef: ``beta``, weight of the k3 KL estimator to the reference model.
-        scale_by_std: divide group-centred rewards by the group std.
+        advantage: advantage estimator; :class:`GroupNormalised` when None.
+        ratio: ``"token"`` or ``"sequence"`` (the length-normalised sequence ratio, GSPO).
+        clip: ratio clipping; :class:`SymmetricClip` when None. Must be :class:`NoClip` with a group transform.
+        normaliser: ``N``; :class:`SequenceMean` when None.
+        group_transform: DFPO's intra-group transform of the sequence weights; needs ``ratio="sequence"``.
+        kl_coef: ``beta``, weight of the KL to the reference model.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        entropy_coef: ``alpha``, weight of the entropy bonus.
     """
 
-    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0, scale_by_std: bool = True):
-        if clip_eps <= 0:
-            raise ValueError(f"GRPO: clip_eps must be > 0, got {clip_eps}")
-        if kl_coef < 0:
-            raise ValueError(f"GRPO: kl_coef must be >= 0, got {kl_coef}")
-        self.clip_eps, self.kl_coef, self.scale_by_std = clip_eps, kl_coef, scale_by_std
+    def __init__(
+        self,
+        advantage: AdvantageEstimator | None = None,
+        ratio: Literal["token", "sequence"] = "token",
+        clip: Clip | None = None,
+        normaliser: Normaliser | None = None,
+        group_transform: GroupTransform | None = None,
+        kl_coef: float = 0.0,
+        kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+        entropy_coef: float = 0.0,
+    ):
+        name = type(self).__name__
+        if ratio not in ("token", "sequence"):
+            raise ValueError(f"{name}: ratio must be 'token' or 'sequence', got {ratio!r}")
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"{name}: kl_estimator must be 'k1', 'k2' or 'k3', got {kl_estimator!r}")
+        if kl_coef < 0 or entropy_coef < 0:
+            raise ValueError(f"{name}: kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
+        if clip is None:
+            clip = NoClip() if group_transform is not None else SymmetricClip()
+        if group_transform is not None and (ratio != "sequence" or not isinstance(clip, NoClip)):
+            raise ValueError(f"{name}: a group_transform weights whole trajectories: it needs ratio='sequence' and clip NoClip")
+        self.advantage = advantage or GroupNormalised()
+        self.ratio, self.clip, self.normaliser = ratio, clip, normaliser or SequenceMean()
+        self.group_transform = group_transform
+        self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
 
     def advantages(self, rewards: Tensor) -> Tensor:
-        return group_advantages(rewards, self.scale_by_std)
+        return self.advantage(rewards)
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
         mask = batch.completion_mask.to(logprobs.dtype)
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
-        advantages = batch.advantages.unsqueeze(1).to(logprobs.dtype)
-        ratio = (logprobs - old).exp()
-        clipped_ratio = ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps)
-        token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-        active = (ratio * advantages <= clipped_ratio * advantages).to(logprobs.dtype)
-        weight = mask / (mask.sum(1, keepdim=True).clamp(min=1) * batch.step_sequences)
+        advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
+        inverse_n = mask / self.normaliser(batch)
+        lengths = mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = (logprobs - old) * mask
+        weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / lengths).exp()
+        zeros = torch.zeros_like(mask)
 
-        policy_loss = (token_loss * weight).sum()
-        credits = ratio.detach() * advantages * active
-        kl_loss = torch.zeros((), device=logprobs.device)
+        if self.group_transform is not None:
+            transformed = self.group_transform(weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype), batch.group_ids)
+            token_credit = transformed.unsqueeze(1) * advantages * inverse_n
+            # value w~ A / N at the current point, gradient w~ A grad logp / N
+            policy_loss = -(token_credit * (logprobs - logprobs.detach() + 1)).sum()
+            credits, clipped_low, clipped_high = token_credit, zeros, zeros
+        else:
+            clipped = self.clip(weight, advantages)
+            if self.ratio == "token":
+                policy_loss = -(clipped.surrogate * inverse_n).sum()
+                credits = weight.detach() * advantages * clipped.active * inverse_n
+            else:
+                per_sequence_n = inverse_n.sum(1, keepdim=True)
+                policy_loss = -(clipped.surrogate * per_sequence_n).sum()
+                credits = weight.detach() * advantages * clipped.active * per_sequence_n / lengths * mask
+            clipped_low, clipped_high = clipped.clipped_low * mask, clipped.clipped_high * mask
+
+        loss, kl_loss = policy_loss, torch.zeros((), device=logprobs.device)
         if self.kl_coef > 0:
-            kl, kl_grad = k3_kl(logprobs, batch.ref_logprobs)
-            kl_loss = (kl * weight).sum()
-            credits = credits - self.kl_coef * kl_grad.detach()
-        loss = policy_loss + self.kl_coef * kl_loss
+            kl, kl_derivative = kl_estimate(logprobs, batch.ref_logprobs, self.kl_estimator)
+            kl_loss = (kl * inverse_n).sum()
+            loss = loss + self.kl_coef * kl_loss
+            credits = credits - self.kl_coef * kl_derivative.detach() * inverse_n
+        metrics = {}
+        if self.entropy_coef > 0:
+            sampled = logprobs.detach()
+            # value: alpha * sum logp / N (minus the sampled entropy estimate); gradient alpha sg(logp) grad logp / N
+            bonus = (sampled * (logprobs - sampled + 1) * inverse_n).sum()
+            loss = loss + self.entropy_coef * bonus
+            credits = credits - self.entropy_coef * sampled * inverse_n
+            metrics["loss/entropy_bonus"] = self.entropy_coef * bonus.detach()
 
         tokens = mask.sum().clamp(min=1)
-        metrics = {
+        metrics.update({
             "loss/policy": policy_loss.detach(),
             "loss/kl": kl_loss.detach(),
-            "objective/ratio_mean": (ratio.detach() * mask).sum() / tokens,
-            "objective/clip_frac": ((1 - active) * mask).sum() / tokens,
+            "objective/clip_frac_low": clipped_low.sum() / tokens,
+            "objective/clip_frac_high": clipped_high.sum() / tokens,
+            "objective/ratio_mean": (weight.detach() * mask).sum() / tokens,
             "objective/approx_kl": (0.5 * (logprobs.detach() - old) ** 2 * mask).sum() / tokens,
-        }
-        return ObjectiveOutput(loss=loss, credits=(credits * weight).detach(), metrics=metrics)
+        })
+        return ObjectiveOutput(loss=loss, credits=(credits * mask).detach(), metrics=metrics)
