@@ -7,7 +7,6 @@ The run's TensorBoard event files are read back, so the table shows what a user 
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,6 @@ def main() -> None:
         print(f"{tag:<22}{start:>8.3f}{end:>8.3f}{100 * (end - start):>+8.1f} pt")
     steps = [e.step for e in rows["val/accuracy"]]
     print(f"\nval/accuracy by step: {', '.join(f'{s}: {e.value:.3f}' for s, e in zip(steps, rows['val/accuracy']))}")
-    sys.exit(0)
 
 
 if __name__ == "__main__":
