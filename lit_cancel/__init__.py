@@ -8,6 +8,7 @@ from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
 from lit_cancel.module import Generation, PolicyModule, RLModule
 from lit_cancel.normalisers import ConstantLength, SequenceMean, TokenMean
 from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
+from lit_cancel.plans import MiniBatchPlan, QueryPreserved, RewardBalanced, Shuffled
 from lit_cancel.presets import DAPO, GRPO, GSPO, PRESETS, RLOO, DFPOMin, DFPOOrth, DrGRPO
 from lit_cancel.sft import SFTDataModule, SFTModule
 from lit_cancel.tasks import AdditionTask, MathWordTask, Task
@@ -30,6 +31,7 @@ __all__ = [
     "LeaveOneOut",
     "MathWordTask",
     "MeanCentred",
+    "MiniBatchPlan",
     "MinReplace",
     "NoClip",
     "Objective",
@@ -37,6 +39,8 @@ __all__ = [
     "PolicyGradient",
     "PolicyModule",
     "PRESETS",
+    "QueryPreserved",
+    "RewardBalanced",
     "RewardError",
     "RLModule",
     "RLOO",
@@ -45,6 +49,7 @@ __all__ = [
     "SequenceMean",
     "SFTDataModule",
     "SFTModule",
+    "Shuffled",
     "SymmetricClip",
     "Task",
     "TaskDataModule",

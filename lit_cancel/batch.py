@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -21,7 +22,8 @@ class RolloutBatch:
         prompt_length: ``P``.
         rewards: ``[B]`` sequence rewards.
         advantages: ``[B]`` advantages, computed over each whole group before the round was split.
-        group_ids: ``[B]`` the group (prompt) each row belongs to, unique within a round.
+        group_ids: ``[B]`` the group (prompt) each row belongs to, unique across rounds and processes.
+        sampled_round: ``[B]`` the round in which each row was sampled.
         old_logprobs: ``[B, C]`` log-probs under the policy that sampled the rollouts; None when the
             step is on-policy, in which case the objective uses the detached current log-probs.
         ref_logprobs: ``[B, C]`` log-probs under the reference model, or None without a KL term.
@@ -29,7 +31,7 @@ class RolloutBatch:
             by the number of micro-batches that Lightning and DDP average over; a loss normalised by
             it does not depend on how the step's rollouts are split.
         step_tokens: completion tokens in the optimizer step, likewise divided.
-        stats: rollout statistics of the round (``rollout/...``) to log with this mini-batch.
+        stats: statistics to log with this micro-batch (``rollout/...`` once per round, ``batch/...`` once per step).
     """
 
     input_ids: Tensor
@@ -39,6 +41,7 @@ class RolloutBatch:
     rewards: Tensor
     advantages: Tensor
     group_ids: Tensor
+    sampled_round: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     step_sequences: float = 0.0
@@ -50,17 +53,43 @@ class RolloutBatch:
 
     def select(self, rows: Tensor) -> "RolloutBatch":
         """The rows ``rows`` of this batch (per-row tensors indexed, the rest kept)."""
-        picked = {
-            f.name: getattr(self, f.name)[rows]
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
-        }
-        return replace(self, **picked)
+        picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **picked, stats={})
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """This batch with its tensors on ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **moved)
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Rows of several batches in one, prompts left-padded and completions right-padded to the widest.
+
+        Padding is masked out, so the padded token id is irrelevant.
+        """
+        prompt_length = max(b.prompt_length for b in batches)
+        width = max(b.completion_mask.shape[1] for b in batches)
+
+        def padded(batch: RolloutBatch, name: str) -> Tensor | None:
+            value = getattr(batch, name)
+            if name in ("input_ids", "attention_mask"):
+                return F.pad(value, (prompt_length - batch.prompt_length, width - batch.completion_mask.shape[1]))
+            if value is not None and value.dim() == 2:
+                return F.pad(value, (0, width - value.shape[1]))
+            return value
+
+        merged = {}
+        for f in fields(RolloutBatch):
+            if f.name in ("prompt_length", "step_sequences", "step_tokens", "stats"):
+                continue
+            values = [padded(b, f.name) for b in batches]
+            merged[f.name] = None if any(v is None for v in values) else torch.cat(values)
+        return RolloutBatch(prompt_length=prompt_length, **merged)
 
     def to_state(self) -> dict:
-        """A checkpointable dict of this batch."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """A checkpointable dict of this batch, on the CPU."""
+        return {f.name: (v.cpu() if isinstance(v := getattr(self, f.name), Tensor) else v) for f in fields(self)}
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
-        return cls(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+        return cls(**state)

@@ -4,9 +4,11 @@ import time
 
 import lightning as L
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.plans import MiniBatchPlan, QueryPreserved
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.tasks import Record, Task
 
@@ -64,28 +66,45 @@ class _Placeholders(IterableDataset):
 
 
 class RolloutDataModule(TaskDataModule):
-    """Rollout rounds: prompts -> ``rollout()`` -> rewards -> group advantages -> mini-batches.
+    """Rollout rounds: prompts -> ``rollout()`` -> rewards -> group advantages -> planned mini-batches.
 
-    A round draws ``prompts_per_round`` prompts (split evenly across processes), samples
-    ``group_size`` completions of each with the LightningModule's ``rollout()``, scores them with
-    the task's reward, computes advantages with the module's ``objective.advantages`` over each
-    whole group, and cuts the round into ``mini_batches_per_round`` mini-batches of whole groups.
-    Each mini-batch is one optimizer step, split into ``trainer.accumulate_grad_batches``
-    micro-batches of whole groups; the next round is sampled when the last is spent.
+    Sizes, per round and summed over processes unless said otherwise:
+
+    * ``prompts_per_round`` prompts, split evenly across processes; ``group_size`` (``G``)
+      rollouts of each, so a round has ``prompts_per_round * group_size`` rollouts;
+    * ``mini_batches_per_round`` optimizer steps per epoch over the round, ``epochs_per_round``
+      (``mu``) epochs: ``mini_batches_per_round * epochs_per_round`` optimizer steps per round;
+      after the first, steps are off-policy and use the log-probs recorded at rollout time;
+    * each step is split into ``trainer.accumulate_grad_batches`` micro-batches (Lightning's own
+      option), so a micro-batch has ``rollouts / processes / mini_batches / accumulate`` rollouts.
+
+    A round draws its prompts, samples ``G`` completions of each with the LightningModule's
+    ``rollout()``, scores them with the task's reward and computes advantages with the module's
+    ``objective.advantages`` over each whole group. With ``dynamic_sampling`` (DAPO), groups whose
+    rewards are all equal are dropped and more prompts drawn, at most ``max_prompt_draws`` draws;
+    at the limit the round goes on with the dropped groups refilling its places (their advantages
+    are zero, so they add no policy gradient) and logs how many were kept out. The ``plan`` then
+    decides which rollouts meet in which step. Every process builds and keeps its own groups, so a
+    group never spans processes; counts that normalise the loss are summed across processes.
 
     Lightning fetches one batch ahead of the training step, so the train dataloader yields
     placeholders and the round is sampled in ``on_before_batch_transfer``, which runs after the
-    previous optimizer step: rollouts always come from the current policy. The round counter and
-    the unspent mini-batches are in ``state_dict``, so a resumed run neither repeats nor skips rollouts.
+    previous optimizer step: rollouts always come from the current policy. The round counters, the
+    unspent micro-batches and the rollouts waiting for a later round are in ``state_dict``, so a
+    run resumed mid-round continues without repeating or losing rollouts.
 
     Args:
         task: where prompts come from and how completions are rewarded.
         tokenizer_path: folder of the tokenizer; the CLI links it to ``model.init_args.model_path``.
         prompts_per_round: prompts per round, summed over processes.
-        group_size: completions sampled per prompt (``G``), at least 2.
-        mini_batches_per_round: optimizer steps per round; must divide the prompts per process.
+        group_size: rollouts sampled per prompt (``G``), at least 2.
+        mini_batches_per_round: optimizer steps per epoch over a round.
+        epochs_per_round: passes over a round (``mu``); each pass is planned afresh.
+        plan: the mini-batch plan; :class:`QueryPreserved` when None.
+        dynamic_sampling: drop groups whose rewards are all equal and draw more prompts.
+        max_prompt_draws: draws of ``prompts_per_round`` prompts per round at most, with dynamic sampling.
         val_batch_size: held-out prompts per validation batch.
-        seed: seed of the prompt order and of the sampling.
+        seed: seed of the prompt order, the sampling and the plans.
     """
 
     def __init__(
@@ -95,6 +114,10 @@ class RolloutDataModule(TaskDataModule):
         prompts_per_round: int = 16,
         group_size: int = 8,
         mini_batches_per_round: int = 1,
+        epochs_per_round: int = 1,
+        plan: MiniBatchPlan | None = None,
+        dynamic_sampling: bool = False,
+        max_prompt_draws: int = 4,
         val_batch_size: int = 200,
         seed: int = 0,
     ):
@@ -103,29 +126,26 @@ class RolloutDataModule(TaskDataModule):
             raise ValueError(
                 f"group_size must be >= 2 (advantages compare the completions of one prompt), got {group_size}"
             )
-        if prompts_per_round < 1 or mini_batches_per_round < 1:
-            raise ValueError(
-                f"prompts_per_round and mini_batches_per_round must be >= 1, got {prompts_per_round} and {mini_batches_per_round}"
-            )
-        if prompts_per_round % mini_batches_per_round:
-            raise ValueError(
-                f"mini_batches_per_round={mini_batches_per_round} must divide prompts_per_round={prompts_per_round} "
-                "(each mini-batch holds whole groups)"
-            )
+        for name, value in [("prompts_per_round", prompts_per_round), ("mini_batches_per_round", mini_batches_per_round),
+                            ("epochs_per_round", epochs_per_round), ("max_prompt_draws", max_prompt_draws)]:
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.plan = plan if plan is not None else QueryPreserved()
+        self.plan.check(prompts_per_round * group_size, group_size, mini_batches_per_round, 1)
         self.prompts_per_round, self.group_size = prompts_per_round, group_size
-        self.mini_batches_per_round, self.seed = mini_batches_per_round, seed
+        self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
+        self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
         self.rounds_done = 0
+        self.prompt_draws = 0
         self.pending: list[RolloutBatch] = []
+        self.waiting: RolloutBatch | None = None
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        if self.prompts_per_round % (world * self.mini_batches_per_round * accumulation):
-            raise ValueError(
-                f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world}) "
-                f"times mini_batches_per_round ({self.mini_batches_per_round}) times trainer.accumulate_grad_batches "
-                f"({accumulation}): every micro-batch holds whole groups"
-            )
+        if self.prompts_per_round % world:
+            raise ValueError(f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world})")
+        self.plan.check(self.prompts_per_round // world * self.group_size, self.group_size, self.mini_batches_per_round, accumulation)
         if stage == "fit" and len(self.task.train_records()) < self.prompts_per_round:
             raise ValueError(
                 f"the task has {len(self.task.train_records())} training prompts, fewer than prompts_per_round={self.prompts_per_round}"
@@ -142,11 +162,11 @@ class RolloutDataModule(TaskDataModule):
             self.rounds_done += 1
         return self.pending.pop(0)
 
-    def round_records(self, round_index: int, rank: int, world: int) -> list[Record]:
-        """The prompts of ``round_index`` for process ``rank``: consecutive slices of seeded permutations."""
+    def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
+        """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
         records = self.task.train_records()
         per_rank = self.prompts_per_round // world
-        first = round_index * self.prompts_per_round + rank * per_rank
+        first = draw * self.prompts_per_round + rank * per_rank
         picked = []
         for position in range(first, first + per_rank):
             epoch, index = divmod(position, len(records))
@@ -154,71 +174,137 @@ class RolloutDataModule(TaskDataModule):
             picked.append(records[order[index]])
         return picked
 
-    def make_round(self) -> list[RolloutBatch]:
-        """Samples one round with the current policy and cuts it into mini-batches."""
+    def _seed(self, *keys: int) -> int:
+        return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63
+
+    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float]:
+        """Samples and scores one draw of prompts; returns the rollouts and the seconds spent sampling."""
         module, trainer = self.trainer.lightning_module, self.trainer
-        records = self.round_records(self.rounds_done, trainer.global_rank, trainer.world_size)
+        records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
         prompts = self.encode_prompts(records)
         started = time.perf_counter()
         with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
-            torch.manual_seed(hash((self.seed, self.rounds_done, trainer.global_rank)) % 2**63)
+            torch.manual_seed(self._seed(draw))
             generation = module.rollout(
                 prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), self.group_size
             )
-        elapsed = time.perf_counter() - started
+        seconds = time.perf_counter() - started
         rewards = self.score([r for r in records for _ in range(self.group_size)], generation.texts)
-        grouped = rewards.view(len(records), self.group_size)
-        advantages = module.objective.advantages(grouped).reshape(-1)
-        old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=self.mini_batches_per_round > 1)
-        lengths = generation.completion_mask.sum(1).float()
+        advantages = module.objective.advantages(rewards.view(len(records), self.group_size)).reshape(-1)
+        old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
         device = generation.input_ids.device
-        round_batch = RolloutBatch(
+        first_group = (draw * trainer.world_size + trainer.global_rank) * len(records)
+        batch = RolloutBatch(
             input_ids=generation.input_ids,
             attention_mask=generation.attention_mask,
             completion_mask=generation.completion_mask,
             prompt_length=generation.prompt_length,
             rewards=rewards.to(device),
             advantages=advantages.to(device),
-            group_ids=torch.arange(len(records), device=device).repeat_interleave(self.group_size)
-            + trainer.global_rank * len(records),
+            group_ids=torch.arange(first_group, first_group + len(records), device=device).repeat_interleave(self.group_size),
+            sampled_round=torch.full((len(records) * self.group_size,), self.rounds_done, device=device),
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
         )
+        return batch, seconds
+
+    def sample_round(self, with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
+        """This process's groups of the round, after dynamic sampling when it is on, and the round's statistics."""
+        groups_needed = self.prompts_per_round // self.trainer.world_size
+        informative, uninformative, seconds = [], [], 0.0
+        for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
+            draw, spent = self.sample_groups(self.prompt_draws, with_old_logprobs)
+            self.prompt_draws += 1
+            seconds += spent
+            flat = draw.rewards.view(-1, self.group_size)
+            varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
+            informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
+            uninformative.append(draw.select(torch.nonzero(~varied).squeeze(1)))
+            have = sum(len(b) for b in informative) // self.group_size
+            # every process draws as often as the neediest one, so collectives stay in step
+            short = self.trainer.strategy.reduce(torch.tensor(float(have < groups_needed)), reduce_op="sum")
+            if not self.dynamic_sampling or short == 0:
+                break
+        sampled = RolloutBatch.concat(informative + uninformative)
+        rows = groups_needed * self.group_size
+        kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
+        rewards = sampled.rewards.view(-1, self.group_size)
+        lengths = sampled.completion_mask.sum(1).float()
         stats = {
             "rollout/reward_mean": rewards.mean().item(),
             "rollout/accuracy": (rewards > 0).float().mean().item(),
             "rollout/completion_len": lengths.mean().item(),
-            "rollout/frac_zero_std_groups": (grouped.std(dim=1) == 0).float().mean().item(),
-            "perf/rollout_tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+            "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+            "rollout/dropped_groups": float(len(sampled) - rows) / self.group_size,
+            "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
         }
-        return self.plan(round_batch, stats)
+        return kept, stats
 
-    def plan(self, round_batch: RolloutBatch, stats: dict[str, float]) -> list[RolloutBatch]:
-        """Cuts a round into optimizer steps of whole groups, in the round's (already random) prompt order.
+    def make_round(self) -> list[RolloutBatch]:
+        """Samples one round with the current policy and plans its micro-batches."""
+        steps_per_epoch = self.mini_batches_per_round
+        off_policy = steps_per_epoch > 1 or self.epochs_per_round > 1 or self.plan.carries_rollouts
+        fresh, stats = self.sample_round(with_old_logprobs=off_policy)
+        pool = fresh if self.waiting is None else RolloutBatch.concat([self.waiting.to(fresh.input_ids.device), fresh])
+        generator = torch.Generator().manual_seed(self._seed(self.rounds_done, -1))
+        selection = self.plan.select(pool, len(fresh), self.rounds_done, generator)
+        device = pool.input_ids.device
+        train = pool.select(selection.train.to(device))
+        self.waiting = pool.select(selection.carry.to(device)) if len(selection.carry) else None
+        if self.plan.carries_rollouts:
+            stats["batch/waiting_rollouts"] = float(len(selection.carry))
+            stats["batch/dropped_rollouts"] = float(selection.dropped)
+        steps = []
+        for epoch in range(self.epochs_per_round):
+            split = self.plan.split(train, steps_per_epoch, generator)
+            if epoch == 0:
+                stats["batch/groups_split"] = float(groups_split(train.group_ids, split))
+            steps += split
+        return self.micro_batches(train, steps, stats)
 
-        Each step is split into ``trainer.accumulate_grad_batches`` micro-batches of whole groups.
+    def micro_batches(self, train: RolloutBatch, steps: list[Tensor], stats: dict[str, float]) -> list[RolloutBatch]:
+        """Cuts each step into ``trainer.accumulate_grad_batches`` micro-batches with the step's global counts.
+
         ``step_sequences`` and ``step_tokens`` count the whole step over all processes, divided by
         the number of micro-batches that Lightning and DDP average over, so that normalising by
         them gives the same gradient however the step is split.
         """
         accumulation, world = self.trainer.accumulate_grad_batches, self.trainer.world_size
-        device = round_batch.input_ids.device
-        rows_per_step = len(round_batch) // self.mini_batches_per_round
-        tokens = round_batch.completion_mask.view(self.mini_batches_per_round, -1).sum(1).float()
+        device = train.input_ids.device
+        tokens = torch.stack([train.completion_mask[rows.to(device)].sum() for rows in steps]).float()
         tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
-        micro_rows = rows_per_step // accumulation
         batches = []
-        for start in range(0, len(round_batch), micro_rows):
-            batch = round_batch.select(torch.arange(start, start + micro_rows, device=device))
-            batch.step_sequences = rows_per_step / accumulation
-            batch.step_tokens = float(tokens[start // rows_per_step]) / (world * accumulation)
-            batches.append(batch)
-        batches[0].stats = stats
+        for step, rows in enumerate(steps):
+            signed = train.advantages[rows.to(device)] != 0
+            step_stats = {}
+            if signed.any():
+                step_stats["batch/pos_share"] = ((train.advantages[rows.to(device)] > 0).sum() / signed.sum()).item()
+            for micro, micro_rows in enumerate(rows.chunk(accumulation)):
+                batch = train.select(micro_rows.to(device))
+                batch.step_sequences = len(rows) / accumulation
+                batch.step_tokens = float(tokens[step]) / (world * accumulation)
+                batch.stats = {**(stats if step == 0 else {}), **step_stats} if micro == 0 else {}
+                batches.append(batch)
         return batches
 
     def state_dict(self) -> dict:
-        return {"rounds_done": self.rounds_done, "pending": [b.to_state() for b in self.pending]}
+        return {
+            "rounds_done": self.rounds_done,
+            "prompt_draws": self.prompt_draws,
+            "pending": [b.to_state() for b in self.pending],
+            "waiting": None if self.waiting is None else self.waiting.to_state(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.rounds_done = state_dict["rounds_done"]
+        self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
         self.pending = [RolloutBatch.from_state(s) for s in state_dict["pending"]]
+        self.waiting = None if state_dict["waiting"] is None else RolloutBatch.from_state(state_dict["waiting"])
+
+
+def groups_split(group_ids: Tensor, steps: list[Tensor]) -> int:
+    """How many groups have rows in more than one of ``steps``."""
+    step_of_row = torch.empty(len(group_ids), dtype=torch.long)
+    for step, rows in enumerate(steps):
+        step_of_row[rows.cpu()] = step
+    pairs = torch.unique(torch.stack([group_ids.cpu(), step_of_row]), dim=1)
+    return int((torch.unique(pairs[0], return_counts=True)[1] > 1).sum())

@@ -108,4 +108,4 @@ def test_group_size_below_two_fails_at_start(tmp_path, capsys):
 
 def test_sizes_that_do_not_divide_fail_at_start(tmp_path, capsys):
     message = startup_error(quick_args(tmp_path, 2, "--data.init_args.mini_batches_per_round=3"), capsys)
-    assert "mini_batches_per_round=3 must divide prompts_per_round=4" in message
+    assert "the 4 groups of a round (per process) must divide into mini_batches_per_round (3)" in message

@@ -75,10 +75,9 @@ def sequence_logprobs(module: RLModule, batch) -> torch.Tensor:
 def test_rl_steps_raise_logprob_of_rewarded_completions_relative_to_unrewarded():
     torch.manual_seed(0)
     module = RLModule("embedded:tiny-adder", max_new_tokens=40, optimizer=partial(torch.optim.AdamW, lr=3e-4))
-    data = RolloutDataModule(small_task(), prompts_per_round=8, group_size=8, seed=3)
+    # three optimizer steps on the first round's rollouts: three epochs over one round
+    data = RolloutDataModule(small_task(), prompts_per_round=8, group_size=8, epochs_per_round=3, seed=3)
     capture = CaptureFirstBatch()
-    # three optimizer steps on the first round's rollouts (one round, three epochs over it)
-    data.plan = lambda round_batch, stats: [RolloutDataModule.plan(data, round_batch, stats)[0] for _ in range(3)]
     trainer = make_trainer(3, callbacks=[capture])
     before = None
 
