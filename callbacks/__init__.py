@@ -1,1 +1,12 @@
-"""Training-health callbacks, installed as ``lit_cancel.callbacks``; they import nothing from ``lit_cancel``."""
+"""Training-health callbacks, installed as ``lit_cancel.callbacks``.
+
+Each file stands alone: it imports Lightning, torch and torchmetrics, never ``lit_cancel``, so it
+can be copied into any Lightning project whose training step meets its documented contract.
+"""
+
+from .entropy_collapse import EntropyCollapseMonitor
+from .learning_tax import LearningTaxMonitor
+from .solution_drift import SolutionProbabilityDriftMonitor
+from .token_flip import TokenFlipMonitor
+
+__all__ = ["EntropyCollapseMonitor", "LearningTaxMonitor", "SolutionProbabilityDriftMonitor", "TokenFlipMonitor"]

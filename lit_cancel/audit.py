@@ -21,22 +21,9 @@ import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.callbacks.learning_tax import shared_positions
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import PRESETS
-
-
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
-    """``[B, C]`` mask of positions whose prefix and token every member of the row's group shares.
-
-    Positions shared by all members of a group form the group's longest common prefix (the trie's
-    single path before its first branch), counted only where every member still has a token.
-    """
-    shared = torch.zeros_like(mask, dtype=torch.bool)
-    for group in group_ids.unique():
-        rows = group_ids == group
-        same = (tokens[rows] == tokens[rows][:1]).all(0) & mask[rows].bool().all(0)
-        shared[rows] = same.long().cumprod(0).bool()
-    return shared
 
 
 def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor) -> float:

@@ -38,6 +38,10 @@ class TaskDataModule(L.LightningDataModule):
         encoded = self.tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True)
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
 
+    def drift_probes(self, count: int) -> list[dict]:
+        """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``."""
+        return [{"prompt": r["prompt"], "solutions": self.task.solutions(r)} for r in self.task.val_records()[:count]]
+
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
 

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
-from lit_cancel.logprobs import completion_logprobs
+from lit_cancel.logprobs import completion_logprobs, position_ids_from_mask
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
 
@@ -147,9 +147,12 @@ class RLModule(PolicyModule):
     """Critic-free RL on rollout mini-batches: policy, optional reference model, and an objective.
 
     The training step receives a :class:`RolloutBatch` (built by ``RolloutDataModule``) and
-    returns a dict that callbacks read in ``on_train_batch_end``: ``loss``, ``credits``
-    (``[B, C]``, detached, ``-d loss / d logprobs``), ``logprobs`` and ``entropy`` (``[B, C]``,
-    detached) and ``completion_mask``.
+    returns the dict that the callbacks in ``lit_cancel.callbacks`` read in ``on_train_batch_end``
+    (their contract): ``loss``; ``credits`` (``-d loss / d logprobs``), ``logprobs``, ``entropy``,
+    ``completion_mask`` and ``completion_ids``, each ``[B, C]`` and detached; ``advantages`` and
+    ``group_ids`` (``[B]``); ``input_ids``, ``attention_mask`` and ``prompt_length``. The methods
+    ``token_logprobs``, ``next_token_logprobs`` and ``sequence_logprobs`` give the callbacks their
+    extra forward passes.
 
     Args:
         objective: the objective; :class:`GRPO` when None. A reference model is built only when
@@ -172,6 +175,35 @@ class RLModule(PolicyModule):
         ref = self.completion_logprobs(self.reference, *args)[0] if self.reference is not None else None
         return old, ref
 
+    @torch.no_grad()
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:
+        """``[B, C]`` log-probs of the completion tokens under the current policy."""
+        return self.completion_logprobs(self.policy, input_ids, attention_mask, prompt_length)[0]
+
+    @torch.no_grad()
+    def next_token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+        """``[N, V]`` log-distribution of the next token after each ``(row, position)`` of ``positions`` (``[N, 2]``)."""
+        hidden = self.policy.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+        ).last_hidden_state
+        logits = self.policy.get_output_embeddings()(hidden[positions[:, 0], positions[:, 1]]).float() / self.temperature
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompts: list[str], completions: list[str]) -> Tensor:
+        """``[N]`` log-probability of each completion (and its EOS) after its prompt, under the current policy."""
+        prompt = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        pieces = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id] for c in completions]
+        width = max(map(len, pieces))
+        completion = torch.full((len(pieces), width), self.tokenizer.pad_token_id)
+        mask = torch.zeros((len(pieces), width), dtype=torch.long)
+        for row, ids in enumerate(pieces):
+            completion[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids), 1
+        input_ids = torch.cat([prompt["input_ids"], completion], 1).to(self.device)
+        attention_mask = torch.cat([prompt["attention_mask"], mask], 1).to(self.device)
+        logprobs = self.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1])
+        return (logprobs * mask.to(self.device)).sum(1)
+
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
         logprobs, entropy = self.completion_logprobs(
             self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
@@ -189,4 +221,10 @@ class RLModule(PolicyModule):
             "logprobs": logprobs.detach(),
             "entropy": entropy,
             "completion_mask": mask,
+            "completion_ids": batch.input_ids[:, batch.prompt_length :],
+            "advantages": batch.advantages,
+            "group_ids": batch.group_ids,
+            "input_ids": batch.input_ids,
+            "attention_mask": batch.attention_mask,
+            "prompt_length": batch.prompt_length,
         }

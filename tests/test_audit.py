@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lit_cancel import PRESETS, ConstantLength, PolicyGradient, SequenceMean
-from lit_cancel.audit import SCENARIOS, audit, learning_tax, main, shared_positions
+from lit_cancel.audit import SCENARIOS, audit, learning_tax, main
+from lit_cancel.callbacks.learning_tax import shared_positions
 
 
 class MyConstantObjective(PolicyGradient):
@@ -22,12 +23,13 @@ class MyLengthNormalisedObjective(PolicyGradient):
 
 
 def test_shared_positions_are_the_groups_common_prefix():
-    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 1], [4, 4, 4, 4], [4, 4, 4, 0]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
-    groups = torch.tensor([0, 0, 0, 1, 1])
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 1], [4, 4, 4, 4], [4, 4, 4, 0], [3, 3, 3, 3]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
     shared = shared_positions(tokens, mask, groups).long()
-    # group 0 shares [5, 6]; group 1 shares [4, 4] (the second member ends after two tokens)
-    assert shared.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+    # group 0 shares [5, 6]; group 1 shares [4, 4] (its second member ends after two tokens);
+    # group 2 has a single member in the batch: nothing to compare, nothing shared
+    assert shared.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def test_learning_tax_by_hand():

@@ -29,15 +29,19 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_fit_logs_the_documented_scalars(tmp_path):
-    cli = main(quick_args(tmp_path, 2))
+    # 10 steps: the periodic health callbacks of the quickstart measure every 10th step
+    cli = main(quick_args(tmp_path, 10, "--trainer.val_check_interval=10"))
     logged = scalars(cli.trainer.logger.log_dir)
     for name in [
         "rollout/reward_mean", "rollout/accuracy", "rollout/completion_len", "rollout/frac_zero_std_groups",
         "loss/policy", "loss/kl", "health/entropy", "perf/rollout_tokens_per_s", "val/accuracy", "val/greedy_accuracy",
+        # the quickstart's health callbacks
+        "health/entropy_mean", "health/learning_tax", "health/shared_kl", "health/drift_logprob_change",
+        "health/drift_preference_entropy", "health/flip_boosted_positive", "health/flip_suppressed_negative",
     ]:
         assert name in logged, name
-    assert [step for step, _ in logged["val/accuracy"]] == [0, 1]  # before training and after step 2
-    assert len(logged["rollout/reward_mean"]) == 2
+    assert [step for step, _ in logged["val/accuracy"]] == [0, 9]  # before training and after step 10
+    assert len(logged["rollout/reward_mean"]) == 10
     assert 0 < logged["health/entropy"][0][1] < torch.log(torch.tensor(99.0))
 
 
