@@ -5,6 +5,7 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.clipping import AsymmetricClip, DualClip, NoClip, SymmetricClip
 from lit_cancel.data import RewardError, RolloutDataModule, TaskDataModule
 from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
+from lit_cancel.lora import LoRA
 from lit_cancel.module import Generation, PolicyModule, RLModule
 from lit_cancel.normalisers import ConstantLength, SequenceMean, TokenMean
 from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
@@ -29,6 +30,7 @@ __all__ = [
     "GRPO",
     "GSPO",
     "LeaveOneOut",
+    "LoRA",
     "MathWordTask",
     "MeanCentred",
     "MiniBatchPlan",

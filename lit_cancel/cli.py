@@ -1,9 +1,12 @@
 """The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links."""
 
+import argparse
 import sys
+from pathlib import Path
 
-from lightning.pytorch.cli import LightningCLI
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
 
 from lit_cancel import audit
 
@@ -38,10 +41,34 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
     )
 
 
+def export(argv: list[str]) -> None:
+    """``lit-cancel export``: a training checkpoint to a Hugging Face folder, LoRA adapters merged."""
+    parser = argparse.ArgumentParser(prog="lit-cancel export", description=export.__doc__)
+    parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote")
+    parser.add_argument("--output_dir", required=True, help="folder for save_pretrained")
+    args = parser.parse_args(argv)
+    if not Path(args.ckpt_path).is_file():
+        raise SystemExit(f"lit-cancel export: --ckpt_path {args.ckpt_path!r} does not exist")
+    cli = LitCancelCLI(
+        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+        args=["--config", args.config, "--trainer.logger=false"],
+    )
+    state = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
+    missing, unexpected = cli.model.load_state_dict(state, strict=cli.model.lora is None)
+    if unexpected:
+        raise SystemExit(f"lit-cancel export: {args.ckpt_path!r} does not fit the model of {args.config!r}: {unexpected[:5]}")
+    cli.model.export(args.output_dir)
+    print(f"saved {args.output_dir}")
+
+
 def main() -> None:
-    """The ``lit-cancel`` console script: LightningCLI's subcommands, and ``audit-objective``."""
+    """The ``lit-cancel`` console script: LightningCLI's subcommands, ``audit-objective`` and ``export``."""
     if sys.argv[1:2] == ["audit-objective"]:
         sys.exit(audit.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["export"]:
+        export(sys.argv[2:])
+        return
     run_cli()
 
 

@@ -1,5 +1,6 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
+import functools
 import time
 
 import lightning as L
@@ -8,8 +9,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.plans import MiniBatchPlan, QueryPreserved
 from lit_cancel.hub import load_tokenizer
+from lit_cancel.plans import MiniBatchPlan, QueryPreserved
 from lit_cancel.tasks import Record, Task
 
 
@@ -174,9 +175,12 @@ class RolloutDataModule(TaskDataModule):
         picked = []
         for position in range(first, first + per_rank):
             epoch, index = divmod(position, len(records))
-            order = torch.randperm(len(records), generator=torch.Generator().manual_seed(self.seed + epoch))
-            picked.append(records[order[index]])
+            picked.append(records[self._prompt_order(epoch, len(records))[index]])
         return picked
+
+    @functools.lru_cache(maxsize=2)
+    def _prompt_order(self, epoch: int, size: int) -> list[int]:
+        return torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def _seed(self, *keys: int) -> int:
         return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63

@@ -2,6 +2,7 @@
 
 import copy
 from dataclasses import dataclass
+from typing import Literal
 
 import lightning as L
 import torch
@@ -12,6 +13,7 @@ from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
+from lit_cancel.lora import LoRA
 from lit_cancel.logprobs import completion_logprobs, position_ids_from_mask
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
@@ -55,6 +57,7 @@ class PolicyModule(L.LightningModule):
         logprob_chunk_size: token positions whose logits are materialised at once.
         dtype: parameter dtype to load (``float32``, ``bfloat16``); None keeps the checkpoint's.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
+        lora: train LoRA adapters (peft) instead of the whole model.
     """
 
     def __init__(
@@ -67,8 +70,9 @@ class PolicyModule(L.LightningModule):
         max_new_tokens: int = 64,
         val_samples: int = 4,
         logprob_chunk_size: int = 1024,
-        dtype: str | None = None,
+        dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         from_scratch: bool = False,
+        lora: LoRA | None = None,
     ):
         super().__init__()
         if temperature <= 0:
@@ -86,6 +90,11 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
         self.policy = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
+        if lora is not None:
+            self.policy = lora.apply(self.policy)
+            # checkpoints hold the adapters only; the base weights come from model_path
+            self.strict_loading = False
+        self.lora = lora
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
 
     @torch.no_grad()
@@ -136,6 +145,20 @@ class PolicyModule(L.LightningModule):
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples)
         self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.lora is not None:
+            trained = {name for name, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained}
+
+    def export(self, output_dir: str) -> None:
+        """Saves the policy as a Hugging Face folder (adapters merged into the weights) with its tokenizer.
+
+        With LoRA the merge happens in place: afterwards this module's policy is the merged model.
+        """
+        policy = self.policy.merge_and_unload() if self.lora is not None else self.policy
+        policy.save_pretrained(output_dir)
+        self.tokenizer.save_pretrained(output_dir)
+
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(p for p in self.parameters() if p.requires_grad)
         if self.scheduler_factory is None:
@@ -156,15 +179,16 @@ class RLModule(PolicyModule):
 
     Args:
         objective: the objective; :class:`GRPO` when None. A reference model is built only when
-            its ``kl_coef`` is above 0.
+            its ``kl_coef`` is above 0 (with ``lora``, the policy with its adapters disabled serves).
         **kwargs: see :class:`PolicyModule`.
     """
 
     def __init__(self, model_path: str = "embedded:tiny-adder", objective: Objective | None = None, **kwargs):
         super().__init__(model_path, **kwargs)
         self.objective = objective if objective is not None else GRPO()
+        # with LoRA the reference is the policy with its adapters disabled, not a second copy
         self.reference = None
-        if self.objective.kl_coef > 0:
+        if self.objective.kl_coef > 0 and self.lora is None:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -172,8 +196,15 @@ class RLModule(PolicyModule):
         """``(old_logprobs, ref_logprobs)`` of freshly sampled completions; None where not needed."""
         args = (generation.input_ids, generation.attention_mask, generation.prompt_length)
         old = self.completion_logprobs(self.policy, *args)[0] if with_old_logprobs else None
-        ref = self.completion_logprobs(self.reference, *args)[0] if self.reference is not None else None
-        return old, ref
+        return old, self.reference_logprobs(*args) if self.objective.kl_coef > 0 else None
+
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:
+        """``[B, C]`` log-probs of the completion tokens under the reference model."""
+        if self.reference is not None:
+            return self.completion_logprobs(self.reference, input_ids, attention_mask, prompt_length)[0]
+        with self.policy.disable_adapter():
+            return self.completion_logprobs(self.policy, input_ids, attention_mask, prompt_length)[0]
 
     @torch.no_grad()
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:

@@ -8,7 +8,7 @@ keep it equal, and the normaliser and any sequence-level weight decide.
 
 from lit_cancel.advantages import GroupNormalised, LeaveOneOut, MeanCentred
 from lit_cancel.clipping import AsymmetricClip, SymmetricClip
-from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
+from lit_cancel.group_transforms import AdvOrthogonal, GroupTransform, MinReplace
 from lit_cancel.normalisers import ConstantLength, Normaliser, TokenMean
 from lit_cancel.objectives import Objective, PolicyGradient
 
@@ -99,7 +99,19 @@ class GSPO(PolicyGradient):
         )
 
 
-class DFPOMin(PolicyGradient):
+class _DFPO(PolicyGradient):
+    """DFPO's estimator around a group transform of the sequence ratios (subclasses name the transform)."""
+
+    transform: type[GroupTransform]
+
+    def __init__(self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0):
+        super().__init__(
+            advantage=GroupNormalised(), ratio="sequence", group_transform=self.transform(),
+            normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef,
+        )
+
+
+class DFPOMin(_DFPO):
     """DFPO with min-replace: every member is weighted by its group's smallest sequence ratio::
 
         w~_i = min_j s_j (stop-gradient),   L = -1/(S L) sum_{i,t} w~_i A_i logp_it
@@ -113,14 +125,10 @@ class DFPOMin(PolicyGradient):
         kl_coef: weight of the KL to the reference model.
     """
 
-    def __init__(self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0):
-        super().__init__(
-            advantage=GroupNormalised(), ratio="sequence", group_transform=MinReplace(),
-            normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef,
-        )
+    transform = MinReplace
 
 
-class DFPOOrth(PolicyGradient):
+class DFPOOrth(_DFPO):
     """DFPO with the advantage-orthogonal transform of the sequence ratios::
 
         w~ = s - (A^T s / |A|^2) A (per group, stop-gradient),   L = -1/(S L) sum_{i,t} w~_i A_i logp_it
@@ -134,11 +142,7 @@ class DFPOOrth(PolicyGradient):
         kl_coef: weight of the KL to the reference model.
     """
 
-    def __init__(self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0):
-        super().__init__(
-            advantage=GroupNormalised(), ratio="sequence", group_transform=AdvOrthogonal(),
-            normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef,
-        )
+    transform = AdvOrthogonal
 
 
 class RLOO(PolicyGradient):
