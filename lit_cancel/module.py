@@ -58,6 +58,8 @@ class PolicyModule(L.LightningModule):
         dtype: parameter dtype to load (``float32``, ``bfloat16``); None keeps the checkpoint's.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
         lora: train LoRA adapters (peft) instead of the whole model.
+        activation_checkpointing: recompute each transformer block's activations in the backward
+            pass instead of keeping them (Hugging Face gradient checkpointing).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class PolicyModule(L.LightningModule):
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         from_scratch: bool = False,
         lora: LoRA | None = None,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         if temperature <= 0:
@@ -90,6 +93,8 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
         self.policy = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
+        if activation_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             self.policy = lora.apply(self.policy)
             # checkpoints hold the adapters only; the base weights come from model_path

@@ -36,3 +36,19 @@ def test_chunked_logprobs_gradient_matches_full_logits(tiny_model_path):
     (naive(model, ids, 3, 1.0)[0] * weights).sum().backward()
     for chunked_grad, p in zip(chunked_grads, model.parameters()):
         assert torch.allclose(chunked_grad, p.grad, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradient():
+    from lit_cancel import RLModule
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 5, 6, 7, 8, 9, 10, 11]])
+    mask = torch.ones_like(ids)
+    weights = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    gradients = []
+    for checkpointing in (False, True):
+        module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing)
+        assert module.policy.is_gradient_checkpointing == checkpointing
+        logprobs, _ = module.completion_logprobs(module.policy, ids, mask, 4)
+        (logprobs * weights).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in module.policy.parameters()]))
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-6)
