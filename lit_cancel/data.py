@@ -228,10 +228,12 @@ class RolloutDataModule(TaskDataModule):
             varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
             informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
             uninformative.append(draw.select(torch.nonzero(~varied).squeeze(1)))
+            if not self.dynamic_sampling:
+                break
             have = sum(len(b) for b in informative) // self.group_size
             # every process draws as often as the neediest one, so collectives stay in step
-            short = self.trainer.strategy.reduce(torch.tensor(float(have < groups_needed)), reduce_op="sum")
-            if not self.dynamic_sampling or short == 0:
+            short = torch.tensor(float(have < groups_needed), device=draw.input_ids.device)
+            if self.trainer.strategy.reduce(short, reduce_op="sum") == 0:
                 break
         sampled = RolloutBatch.concat(informative + uninformative)
         rows = groups_needed * self.group_size

@@ -84,7 +84,5 @@ class SFTModule(PolicyModule):
         return loss
 
     def on_train_end(self) -> None:
-        if self.output_dir is None or not self.trainer.is_global_zero:
-            return
-        self.policy.save_pretrained(self.output_dir)
-        self.tokenizer.save_pretrained(self.output_dir)
+        if self.output_dir is not None and self.trainer.is_global_zero:
+            self.export(self.output_dir)

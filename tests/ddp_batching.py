@@ -31,7 +31,7 @@ def main(prefix: str) -> None:
     record = Record()
     module = RLModule("embedded:tiny-adder", max_new_tokens=40, optimizer=partial(torch.optim.AdamW, lr=1e-4))
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4,
-                             mini_batches_per_round=2, plan=Shuffled())
+                             mini_batches_per_round=2, plan=Shuffled(), dynamic_sampling=True, max_prompt_draws=3)
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -1,4 +1,5 @@
-"""Two processes over gloo: each builds its own groups, and the loss normalisers count the whole step."""
+"""Two processes over gloo: each builds its own groups (dynamic sampling on, so both draw in step), and the
+loss normalisers count the whole step."""
 
 import subprocess
 import sys
