@@ -3,7 +3,6 @@ r"""Entropy collapse: the policy's per-token entropy on its own rollouts, agains
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric

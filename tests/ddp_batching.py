@@ -3,7 +3,6 @@
     python tests/ddp_batching.py OUT_PREFIX
 """
 
-import os
 import sys
 from functools import partial
 

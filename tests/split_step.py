@@ -7,6 +7,7 @@ rollouts depend only on the prompt, so every way of splitting the round sees the
 """
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--objectives", nargs="+", required=True)
     args = parser.parse_args()
     gradients = {name: step_gradient(name, args.devices, args.accumulate) for name in args.objectives}
-    if int(__import__("os").environ.get("LOCAL_RANK", 0)) == 0:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(gradients, args.out)
 
 
