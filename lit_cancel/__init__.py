@@ -12,6 +12,7 @@ from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved, RewardBalanced, Shuffled
 from lit_cancel.presets import DAPO, GRPO, GSPO, PRESETS, RLOO, DFPOMin, DFPOOrth, DrGRPO
 from lit_cancel.sft import SFTDataModule, SFTModule
+from lit_cancel.sharding import ModelRoot
 from lit_cancel.tasks import AdditionTask, MathWordTask, Task
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "MeanCentred",
     "MiniBatchPlan",
     "MinReplace",
+    "ModelRoot",
     "NoClip",
     "Objective",
     "ObjectiveOutput",

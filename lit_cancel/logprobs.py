@@ -69,3 +69,12 @@ def completion_logprobs(
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs).view(batch, length), torch.cat(entropies).view(batch, length)
+
+
+def next_token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, temperature: float = 1.0) -> Tensor:
+    """``[N, V]`` log-distribution of the next token after each ``(row, position)`` of ``positions`` (``[N, 2]``)."""
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+    ).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[positions[:, 0], positions[:, 1]]).float() / temperature
+    return torch.log_softmax(logits, dim=-1)

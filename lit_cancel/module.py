@@ -7,16 +7,18 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.lora import LoRA
-from lit_cancel.logprobs import completion_logprobs, position_ids_from_mask
+from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
+from lit_cancel.sharding import ModelRoot, gathered, shard
 
 
 @dataclass
@@ -36,6 +38,16 @@ class Generation:
     completion_mask: Tensor
     prompt_length: int
     texts: list[str]
+
+
+def _generate(model: nn.Module, **kwargs) -> Tensor:
+    return model.generate(**kwargs)
+
+
+def _base_model_logprobs(model: nn.Module, *args) -> tuple[Tensor, Tensor]:
+    """Completion log-probs of a peft model with its adapters disabled."""
+    with model.disable_adapter():
+        return completion_logprobs(model, *args)
 
 
 class PolicyModule(L.LightningModule):
@@ -92,13 +104,15 @@ class PolicyModule(L.LightningModule):
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
-        self.policy = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
+        model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
         if activation_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
-            self.policy = lora.apply(self.policy)
+            model = lora.apply(model)
             # checkpoints hold the adapters only; the base weights come from model_path
             self.strict_loading = False
+        # every use of the model runs inside the root's forward, which FSDP needs (see sharding.py)
+        self.policy = ModelRoot(model)
         self.lora = lora
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
 
@@ -116,7 +130,12 @@ class PolicyModule(L.LightningModule):
         )
         was_training = self.policy.training
         self.policy.eval()
-        sequences = self.policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        with gathered(self.policy):
+            sequences = self.policy(
+                _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                # FSDP (v1) gathers per forward: every process must keep stepping until all are done
+                synced_gpus=isinstance(self.policy, FullyShardedDataParallel),
+            )
         self.policy.train(was_training)
 
         prompt_length = input_ids.shape[1]
@@ -134,11 +153,13 @@ class PolicyModule(L.LightningModule):
             texts=self.tokenizer.batch_decode(completions, skip_special_tokens=True),
         )
 
-    def completion_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
-        """``(logprobs, entropy)`` of the completion tokens under ``model`` at the sampling temperature."""
-        return completion_logprobs(
-            model, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size
-        )
+    def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
+        """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
+        return root(completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size)
+
+    def configure_model(self) -> None:
+        """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2) or ``FSDPStrategy``."""
+        self.policy = shard(self.policy, self.trainer.strategy)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         records, size = batch["records"], len(batch["records"])
@@ -160,8 +181,10 @@ class PolicyModule(L.LightningModule):
 
         With LoRA the merge happens in place: afterwards this module's policy is the merged model.
         """
-        policy = self.policy.merge_and_unload() if self.lora is not None else self.policy
-        policy.save_pretrained(output_dir)
+        model = self.policy.model
+        if self.lora is not None:
+            model = self.policy.model = model.merge_and_unload()
+        model.save_pretrained(output_dir)
         self.tokenizer.save_pretrained(output_dir)
 
     def configure_optimizers(self):
@@ -196,6 +219,11 @@ class RLModule(PolicyModule):
         if self.objective.kl_coef > 0 and self.lora is None:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
 
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.reference is not None:
+            self.reference = shard(self.reference, self.trainer.strategy)
+
     @torch.no_grad()
     def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
         """``(old_logprobs, ref_logprobs)`` of freshly sampled completions; None where not needed."""
@@ -208,8 +236,9 @@ class RLModule(PolicyModule):
         """``[B, C]`` log-probs of the completion tokens under the reference model."""
         if self.reference is not None:
             return self.completion_logprobs(self.reference, input_ids, attention_mask, prompt_length)[0]
-        with self.policy.disable_adapter():
-            return self.completion_logprobs(self.policy, input_ids, attention_mask, prompt_length)[0]
+        return self.policy(
+            _base_model_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size
+        )[0]
 
     @torch.no_grad()
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:
@@ -219,11 +248,7 @@ class RLModule(PolicyModule):
     @torch.no_grad()
     def next_token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
         """``[N, V]`` log-distribution of the next token after each ``(row, position)`` of ``positions`` (``[N, 2]``)."""
-        hidden = self.policy.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
-        ).last_hidden_state
-        logits = self.policy.get_output_embeddings()(hidden[positions[:, 0], positions[:, 1]]).float() / self.temperature
-        return torch.log_softmax(logits, dim=-1)
+        return self.policy(next_token_logprobs, input_ids, attention_mask, positions, self.temperature)
 
     @torch.no_grad()
     def sequence_logprobs(self, prompts: list[str], completions: list[str]) -> Tensor:

@@ -7,6 +7,7 @@ so that RL rollout groups have mixed rewards.
 import random
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lit_cancel.data import TaskDataModule
@@ -66,6 +67,10 @@ class SFTDataModule(TaskDataModule):
         )
 
 
+def _language_model_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
 class SFTModule(PolicyModule):
     """Next-token cross-entropy on reference solutions; saves the policy as a Hugging Face folder at the end.
 
@@ -79,7 +84,7 @@ class SFTModule(PolicyModule):
         self.output_dir = output_dir
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.policy(**batch).loss
+        loss = self.policy(_language_model_loss, batch)
         self.log("loss/sft", loss, prog_bar=True)
         return loss
 

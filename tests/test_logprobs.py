@@ -47,7 +47,7 @@ def test_activation_checkpointing_gives_the_same_gradient():
     gradients = []
     for checkpointing in (False, True):
         module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing)
-        assert module.policy.is_gradient_checkpointing == checkpointing
+        assert module.policy.model.is_gradient_checkpointing == checkpointing
         logprobs, _ = module.completion_logprobs(module.policy, ids, mask, 4)
         (logprobs * weights).sum().backward()
         gradients.append(torch.cat([p.grad.flatten() for p in module.policy.parameters()]))

@@ -43,7 +43,7 @@ def test_only_adapter_parameters_change(trained):
 
 def test_reference_logprobs_are_the_base_models(trained):
     module, _, _ = trained
-    base = AutoModelForCausalLM.from_pretrained(module.policy.peft_config["default"].base_model_name_or_path)
+    base = AutoModelForCausalLM.from_pretrained(module.policy.model.peft_config["default"].base_model_name_or_path)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 5, 6, 7, 8, 9, 10, 11]])
     mask = torch.ones_like(ids)
     reference = module.reference_logprobs(ids, mask, 4)

@@ -1,0 +1,105 @@
+"""Sharding a model with FSDP2 (``fully_shard``) or FSDP, and running it while sharded.
+
+FSDP gathers a unit's parameters in that unit's ``forward``. Log-probs use the decoder and the LM
+head separately, ``generate`` runs its own loop, and the health callbacks make extra forward
+passes: none of them is a single ``forward`` of the Hugging Face model. So the model sits inside a
+:class:`ModelRoot` whose ``forward`` runs any function of it. Each transformer block is one sharded
+unit and the root is another holding what lies outside the blocks (embeddings, final norm, LM head),
+so every use of every parameter happens inside a forward that gathered it.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
+
+
+class ModelRoot(nn.Module):
+    """Holds a model and runs ``fn(model, *args, **kwargs)`` inside its own ``forward``.
+
+    Example::
+
+        root = ModelRoot(model)
+        logprobs, entropy = root(completion_logprobs, input_ids, attention_mask, prompt_length)
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self.model, *args, **kwargs)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules Hugging Face names in ``_no_split_modules`` (e.g. ``Qwen2DecoderLayer``), in order."""
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} declares no transformer block classes (_no_split_modules); "
+            "cannot shard it block by block"
+        )
+    return blocks
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+
+
+def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
+    """Shards ``root`` block by block under an FSDP2 or FSDP ``strategy``; other strategies get it back unchanged.
+
+    Call it from ``configure_model``. Under ``ModelParallelStrategy`` every block and then the root
+    are ``fully_shard``-ed over the data-parallel mesh; under ``FSDPStrategy`` the root is wrapped
+    with the strategy's settings and an auto-wrap policy for its block classes.
+    """
+    if is_sharded(root):
+        return root
+    if isinstance(strategy, ModelParallelStrategy):
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel > 1:
+            raise ValueError(
+                f"trainer.strategy ModelParallelStrategy: tensor_parallel_size is {tensor_parallel}; lit_cancel "
+                "shards by data parallelism only: set tensor_parallel_size: 1 and data_parallel_size to the "
+                "number of processes"
+            )
+        mesh = strategy.device_mesh["data_parallel"]
+        for block in transformer_blocks(root.model):
+            fully_shard(block, mesh=mesh)
+        return fully_shard(root, mesh=mesh)
+    if isinstance(strategy, FSDPStrategy):
+        block_classes = {type(block) for block in transformer_blocks(root.model)}
+        return wrap(root, auto_wrap_policy=ModuleWrapPolicy(block_classes))
+    return root
+
+
+@contextmanager
+def gathered(root: nn.Module) -> Iterator[None]:
+    """Keeps an FSDP2 model's parameters gathered from its first forward inside the block to the block's end.
+
+    ``generate`` calls the model once per new token. Without this, every call would all-gather
+    every block again; with it each process gathers the whole model once (memory: the full
+    parameters, as without sharding) and the decoding steps need no communication, so processes
+    whose completions end early need not keep stepping with the others. FSDP (v1) roots are left
+    as they are: their units gather per forward.
+    """
+    if not isinstance(root, FSDPModule):
+        yield
+        return
+    root.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        root.set_reshard_after_forward(True)
+        # the root stays gathered between forward and backward, as fully_shard sets it up
+        root.set_reshard_after_forward(False, recurse=False)
