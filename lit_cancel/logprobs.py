@@ -68,7 +68,9 @@ def completion_logprobs(
             lp, ent = _chunk_stats(*piece)
         logprobs.append(lp)
         entropies.append(ent)
-    return torch.cat(logprobs).view(batch, length), torch.cat(entropies).view(batch, length)
+    # a copy, not a view: FSDP2 hooks the backward of a sharded root's output, and a view could be
+    # modified in place behind the hook's back
+    return torch.cat(logprobs).view(batch, length).clone(), torch.cat(entropies).view(batch, length)
 
 
 def next_token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, temperature: float = 1.0) -> Tensor:

@@ -1,16 +1,21 @@
-"""One optimizer step on fixed rollouts; saves the gradient it applied (run by test_splitting.py).
+"""Optimizer steps on fixed rollouts; saves the first step's gradient and the parameters at the end
+(run by test_splitting.py and test_sharding.py).
 
-    python tests/split_step.py OUT.pt --devices 2 --accumulate 1 --objectives grpo dapo
+    python tests/split_step.py OUT.pt --devices 2 --strategy fsdp2 --steps 3 --objectives grpo dapo
 
-With ``--devices 2`` Lightning's DDP launcher starts a second process running this script. The
-rollouts depend only on the prompt, so every way of splitting the round sees the same data.
+With ``--devices 2`` Lightning's launcher starts a second process running this script; ``ddp``
+replicates the model, ``fsdp2`` shards it with ``ModelParallelStrategy``. The rollouts depend only
+on the prompt, so every way of splitting the round sees the same data.
 """
 
 import argparse
+import functools
 import os
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
 from lit_cancel import PRESETS, AdditionTask, Generation, RLModule, RolloutDataModule
 
@@ -38,37 +43,51 @@ class FixedRollouts(RLModule):
         )
 
 
+def flat(tensors) -> torch.Tensor:
+    """One vector of whole tensors; sharded ones are gathered (a collective: every process calls it)."""
+    return torch.cat([(t.full_tensor() if isinstance(t, DTensor) else t).detach().flatten() for t in tensors]).clone()
+
+
 class SaveGradient(L.Callback):
     def __init__(self):
         self.gradient = None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.gradient = torch.cat([p.grad.flatten() for p in pl_module.policy.parameters()]).clone()
+        if self.gradient is None:
+            self.gradient = flat(p.grad for p in pl_module.policy.parameters())
 
 
-def step_gradient(objective: str, devices: int, accumulate: int) -> torch.Tensor:
-    module = FixedRollouts("embedded:tiny-adder", objective=PRESETS[objective]())
+def train(objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float) -> dict[str, torch.Tensor]:
+    # plain SGD: Adam's normalisation would turn float rounding in near-zero gradients into lr-sized steps
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    module = FixedRollouts("embedded:tiny-adder", objective=PRESETS[objective](kl_coef=kl_coef), optimizer=optimizer)
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
     saver = SaveGradient()
+    strategies = {"auto": "auto", "ddp": "ddp", "fsdp2": ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)}
     trainer = L.Trainer(
-        max_steps=1, accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        max_steps=steps, accelerator="cpu", devices=devices, strategy=strategies[strategy],
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[saver],
     )
     trainer.fit(module, datamodule=data)
-    return saver.gradient
+    return {"gradient": saver.gradient, "parameters": flat(module.policy.parameters())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", choices=["auto", "ddp", "fsdp2"], default="auto")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("--objectives", nargs="+", required=True)
     args = parser.parse_args()
-    gradients = {name: step_gradient(name, args.devices, args.accumulate) for name in args.objectives}
+    results = {
+        name: train(name, args.devices, args.strategy, args.accumulate, args.steps, args.kl_coef) for name in args.objectives
+    }
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        torch.save(gradients, args.out)
+        torch.save(results, args.out)
 
 
 if __name__ == "__main__":
