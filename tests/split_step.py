@@ -57,20 +57,39 @@ class SaveGradient(L.Callback):
             self.gradient = flat(p.grad for p in pl_module.policy.parameters())
 
 
+class GreedyBeforeTraining(L.Callback):
+    """Greedy completions of the same prompts on every process, the second process stopping after 8 tokens:
+    under sharding the processes then run different numbers of decoding steps."""
+
+    def __init__(self):
+        self.texts = None
+
+    def on_train_start(self, trainer, pl_module):
+        prompts = pl_module.tokenizer(["12+345=", "999+1=", "505+505="], return_tensors="pt", padding=True)
+        pl_module.max_new_tokens = 40 if trainer.global_rank == 0 else 8
+        self.texts = RLModule.rollout(pl_module, prompts["input_ids"], prompts["attention_mask"], greedy=True).texts
+
+
 def train(objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float) -> dict[str, torch.Tensor]:
     # plain SGD: Adam's normalisation would turn float rounding in near-zero gradients into lr-sized steps
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
     module = FixedRollouts("embedded:tiny-adder", objective=PRESETS[objective](kl_coef=kl_coef), optimizer=optimizer)
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
-    saver = SaveGradient()
+    saver, greedy = SaveGradient(), GreedyBeforeTraining()
     strategies = {"auto": "auto", "ddp": "ddp", "fsdp2": ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)}
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=devices, strategy=strategies[strategy],
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=[saver],
+        enable_model_summary=False, limit_val_batches=0, callbacks=[saver, greedy],
     )
     trainer.fit(module, datamodule=data)
-    return {"gradient": saver.gradient, "parameters": flat(module.policy.parameters())}
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.policy.parameters())
+    return {
+        "gradient": saver.gradient,
+        "parameters": flat(module.policy.parameters()),
+        "local_parameters": local,
+        "greedy": greedy.texts,
+    }
 
 
 def main() -> None:
