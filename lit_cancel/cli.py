@@ -2,11 +2,13 @@
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit
 
@@ -41,20 +43,31 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
     )
 
 
+def _load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's state dict from a checkpoint file, or from the folder a sharded (FSDP2) run writes."""
+    if checkpoint.is_file():
+        return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    with tempfile.TemporaryDirectory() as scratch:
+        gathered = Path(scratch) / "gathered.ckpt"
+        dcp_to_torch_save(checkpoint, gathered)
+        return torch.load(gathered, map_location="cpu", weights_only=False)["state_dict"]
+
+
 def export(argv: list[str]) -> None:
     """``lit-cancel export``: a training checkpoint to a Hugging Face folder, LoRA adapters merged."""
     parser = argparse.ArgumentParser(prog="lit-cancel export", description=export.__doc__)
     parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote")
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
     parser.add_argument("--output_dir", required=True, help="folder for save_pretrained")
     args = parser.parse_args(argv)
-    if not Path(args.ckpt_path).is_file():
+    checkpoint = Path(args.ckpt_path)
+    if not checkpoint.exists():
         raise SystemExit(f"lit-cancel export: --ckpt_path {args.ckpt_path!r} does not exist")
     cli = LitCancelCLI(
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
         args=["--config", args.config, "--trainer.logger=false"],
     )
-    state = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)["state_dict"]
+    state = _load_model_state(checkpoint)
     missing, unexpected = cli.model.load_state_dict(state, strict=cli.model.lora is None)
     if unexpected:
         raise SystemExit(f"lit-cancel export: {args.ckpt_path!r} does not fit the model of {args.config!r}: {unexpected[:5]}")

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 from transformers import AutoModelForCausalLM
 
 from lit_cancel import RLModule
+from lit_cancel.cli import export
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-fsdp2-cpu.yaml"
 LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
@@ -54,3 +56,25 @@ def test_fsdp2_quickstart_trains_checkpoints_resumes_and_exports(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, state["state_dict"][f"policy.model.{name}"]), name
+
+
+def test_tensor_parallel_fails_at_start_naming_the_option(tmp_path):
+    result = subprocess.run(
+        [LIT_CANCEL, "fit", "--config", str(CONFIG), f"--trainer.logger.init_args.save_dir={tmp_path}",
+         "--trainer.strategy.init_args.data_parallel_size=1", "--trainer.strategy.init_args.tensor_parallel_size=2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "tensor_parallel_size is 2; lit_cancel shards by data parallelism only" in result.stderr
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_export_reads_a_sharded_checkpoint_folder(tmp_path):
+    state = {name: torch.randn_like(tensor) for name, tensor in RLModule().state_dict().items()}
+    state["policy.model.lm_head.weight"] = state["policy.model.model.embed_tokens.weight"]  # tied
+    torch.save({"state_dict": state}, tmp_path / "whole.ckpt")
+    torch_save_to_dcp(tmp_path / "whole.ckpt", tmp_path / "sharded.ckpt")  # the folder layout of a sharded save
+    export(["--config", str(CONFIG), f"--ckpt_path={tmp_path / 'sharded.ckpt'}", f"--output_dir={tmp_path / 'out'}"])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, state[f"policy.model.{name}"]), name
