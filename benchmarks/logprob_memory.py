@@ -1,6 +1,6 @@
 """Peak memory of the log-prob and entropy step: chunked (lit_cancel) against full float32 logits.
 
-    python benchmarks/logprob_memory.py [--vocab 151936] [--tokens 1024] [--chunk 128]
+    python benchmarks/logprob_memory.py [--vocab 151936] [--tokens 1024] [--chunks 32 64 128]
 
 A Qwen2-architecture model with a Qwen-sized vocabulary (one small layer, so the LM head dominates)
 scores ``--tokens`` completion tokens with the forward and backward pass of a policy-gradient
@@ -51,7 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128], help="chunk sizes to measure")
+    parser.add_argument("--chunk", type=int, default=128, help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
@@ -60,11 +61,15 @@ def main() -> None:
     full_tensor = args.tokens * args.vocab * 4 / 2**20
     print(f"vocabulary {args.vocab}, {args.tokens} tokens; one float32 B x T x V tensor is {full_tensor:.0f} MiB\n")
     print(f"{'variant':<28}{'peak growth (MiB)':>18}{'x full tensor':>15}")
-    for variant in ("full logits", f"chunked ({args.chunk} positions)"):
+    for variant, chunk in [("full logits", 0)] + [(f"chunked ({chunk} positions)", chunk) for chunk in args.chunks]:
         out = subprocess.run([sys.executable, __file__, f"--variant={variant}", f"--vocab={args.vocab}",
-                              f"--tokens={args.tokens}", f"--chunk={args.chunk}"], check=True, capture_output=True, text=True)
+                              f"--tokens={args.tokens}", f"--chunk={chunk}"], check=True, capture_output=True, text=True)
         peak = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{variant:<28}{peak:>18.0f}{peak / full_tensor:>15.2f}")
+    # hidden 64: untied embedding and LM head, each V x 64 float32
+    floor = 2 * args.vocab * 64 * 4 / 2**20
+    print(f"\nheld by every variant: the gradients of the embedding and the LM head, {floor:.0f} MiB "
+          f"({floor / full_tensor:.2f}x)")
 
 
 if __name__ == "__main__":
