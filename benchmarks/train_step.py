@@ -88,6 +88,7 @@ def main() -> None:
         cli = run_cli([
             "fit", "--config", args.config, f"--trainer.max_steps={args.steps}", f"--trainer.accelerator={args.accelerator}",
             f"--trainer.precision={args.precision}", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+            f"--trainer.default_root_dir={folder}",
             "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
             '--trainer.callbacks=[{"class_path": "__main__.StepTimer"}]',
             f"--model.init_args.model_path={folder}", "--model.init_args.from_scratch=true",
