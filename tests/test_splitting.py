@@ -14,10 +14,11 @@ OBJECTIVES = ["grpo", "dr_grpo", "dapo", "dfpo_min"]
 def gradients(tmp_path, devices: int, accumulate: int) -> dict[str, torch.Tensor]:
     out = tmp_path / f"grad-{devices}-{accumulate}.pt"
     subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), f"--devices={devices}", f"--accumulate={accumulate}", "--objectives", *OBJECTIVES],
+        [sys.executable, str(SCRIPT), str(out), f"--devices={devices}", f"--strategy={'ddp' if devices > 1 else 'auto'}",
+         f"--accumulate={accumulate}", "--objectives", *OBJECTIVES],
         check=True, capture_output=True, timeout=300,
     )
-    return torch.load(out)
+    return {name: result["gradient"] for name, result in torch.load(out).items()}
 
 
 @pytest.fixture(scope="module")
