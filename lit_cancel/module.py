@@ -18,7 +18,7 @@ from lit_cancel.lora import LoRA
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
-from lit_cancel.sharding import ModelRoot, gathered, shard
+from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard
 
 
 @dataclass
@@ -57,6 +57,9 @@ class PolicyModule(L.LightningModule):
     ``records``; the datamodule's ``score(records, completions)`` gives the rewards. Logged:
     ``val/accuracy`` (mean reward of ``val_samples`` samples per prompt at ``temperature``) and
     ``val/greedy_accuracy`` (greedy pass@1).
+
+    The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
+    every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
 
     Args:
         model_path: local Hugging Face model folder, or ``embedded:tiny-adder``.
@@ -181,6 +184,11 @@ class PolicyModule(L.LightningModule):
 
         With LoRA the merge happens in place: afterwards this module's policy is the merged model.
         """
+        if is_sharded(self.policy):
+            raise RuntimeError(
+                "export() needs the whole policy, but it is sharded in this process; export the run's checkpoint: "
+                "lit-cancel export --config CONFIG --ckpt_path CHECKPOINT --output_dir DIR"
+            )
         model = self.policy.model
         if self.lora is not None:
             model = self.policy.model = model.merge_and_unload()

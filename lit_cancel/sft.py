@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_cancel.data import TaskDataModule
 from lit_cancel.module import PolicyModule
+from lit_cancel.sharding import is_sharded
 from lit_cancel.tasks import Record, Task
 
 
@@ -87,6 +88,13 @@ class SFTModule(PolicyModule):
         loss = self.policy(_language_model_loss, batch)
         self.log("loss/sft", loss, prog_bar=True)
         return loss
+
+    def on_fit_start(self) -> None:
+        if self.output_dir is not None and is_sharded(self.policy):
+            raise ValueError(
+                "SFTModule: output_dir saves the whole policy at the end, but it is sharded; set output_dir: null "
+                "and export the last checkpoint with lit-cancel export"
+            )
 
     def on_train_end(self) -> None:
         if self.output_dir is not None and self.trainer.is_global_zero:
