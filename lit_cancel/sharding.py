@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
 
@@ -53,6 +54,13 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, (FSDPModule, FullyShardedDataParallel))
 
 
+def fully_shard_model(root: ModelRoot, mesh: DeviceMesh) -> FSDPModule:
+    """FSDP2: ``fully_shard`` every transformer block, then the root, over ``mesh``."""
+    for block in transformer_blocks(root.model):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(root, mesh=mesh)
+
+
 def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
     """Shards ``root`` block by block under an FSDP2 or FSDP ``strategy``; other strategies get it back unchanged.
 
@@ -70,10 +78,7 @@ def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
                 "shards by data parallelism only: set tensor_parallel_size: 1 and data_parallel_size to the "
                 "number of processes"
             )
-        mesh = strategy.device_mesh["data_parallel"]
-        for block in transformer_blocks(root.model):
-            fully_shard(block, mesh=mesh)
-        return fully_shard(root, mesh=mesh)
+        return fully_shard_model(root, strategy.device_mesh["data_parallel"])
     if isinstance(strategy, FSDPStrategy):
         block_classes = {type(block) for block in transformer_blocks(root.model)}
         return wrap(root, auto_wrap_policy=ModuleWrapPolicy(block_classes))
