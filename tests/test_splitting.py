@@ -1,4 +1,5 @@
-"""A step's gradient does not depend on how its rollouts are split: one mini-batch, micro-batches, processes."""
+"""A step's gradient does not depend on how its rollouts are split: one mini-batch, micro-batches, processes
+(replicated or sharded)."""
 
 import subprocess
 import sys
@@ -11,10 +12,10 @@ SCRIPT = Path(__file__).parent / "split_step.py"
 OBJECTIVES = ["grpo", "dr_grpo", "dapo", "dfpo_min"]
 
 
-def gradients(tmp_path, devices: int, accumulate: int) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"grad-{devices}-{accumulate}.pt"
+def gradients(tmp_path, devices: int, accumulate: int, strategy: str = "auto") -> dict[str, torch.Tensor]:
+    out = tmp_path / f"grad-{devices}-{accumulate}-{strategy}.pt"
     subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), f"--devices={devices}", f"--strategy={'ddp' if devices > 1 else 'auto'}",
+        [sys.executable, str(SCRIPT), str(out), f"--devices={devices}", f"--strategy={strategy}",
          f"--accumulate={accumulate}", "--objectives", *OBJECTIVES],
         check=True, capture_output=True, timeout=300,
     )
@@ -26,9 +27,11 @@ def whole(tmp_path_factory):
     return gradients(tmp_path_factory.mktemp("whole"), devices=1, accumulate=1)
 
 
-@pytest.mark.parametrize(("devices", "accumulate"), [(1, 2), (1, 4), (2, 1), (2, 2)])
-def test_step_gradient_is_independent_of_the_split(whole, tmp_path, devices, accumulate):
-    split = gradients(tmp_path, devices, accumulate)
+@pytest.mark.parametrize(
+    ("devices", "accumulate", "strategy"), [(1, 2, "auto"), (1, 4, "auto"), (2, 1, "ddp"), (2, 2, "ddp"), (2, 2, "fsdp2")]
+)
+def test_step_gradient_is_independent_of_the_split(whole, tmp_path, devices, accumulate, strategy):
+    split = gradients(tmp_path, devices, accumulate, strategy)
     for name in OBJECTIVES:
         assert whole[name].abs().sum() > 0
         assert torch.allclose(split[name], whole[name], rtol=1e-4, atol=1e-7), name
