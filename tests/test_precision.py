@@ -1,4 +1,5 @@
-"""bf16-mixed: float32 weights, bfloat16 matmuls, and the step's gradient close to the float32 one."""
+"""bf16-mixed (float32 weights, bfloat16 matmuls) and bf16-true (bfloat16 weights): the step's gradient stays
+close to the float32 one."""
 
 import lightning as L
 import torch
@@ -7,8 +8,8 @@ from split_step import FixedRollouts, SaveGradient
 from lit_cancel import PRESETS, AdditionTask, RolloutDataModule
 
 
-def one_step(precision: str) -> tuple[torch.Tensor, FixedRollouts]:
-    module = FixedRollouts("embedded:tiny-adder", objective=PRESETS["grpo"]())
+def one_step(precision: str, dtype: str | None = None) -> tuple[torch.Tensor, FixedRollouts]:
+    module = FixedRollouts("embedded:tiny-adder", objective=PRESETS["grpo"](), dtype=dtype)
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
     saver = SaveGradient()
     trainer = L.Trainer(
@@ -27,3 +28,11 @@ def test_bf16_mixed_gradient_is_close_to_float32():
     cosine = torch.nn.functional.cosine_similarity(mixed, full, dim=0)
     assert cosine > 0.99, cosine  # measured: 0.9994, norm ratio 1.023
     assert abs(mixed.norm() / full.norm() - 1) < 0.05
+
+
+def test_bf16_true_keeps_bfloat16_weights_and_a_close_gradient():
+    full, _ = one_step("32-true")
+    half, module = one_step("bf16-true", dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    cosine = torch.nn.functional.cosine_similarity(half.float(), full, dim=0)
+    assert cosine > 0.98, cosine  # measured: 0.9980
