@@ -10,7 +10,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torchmetrics import MeanMetric
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
@@ -38,6 +38,17 @@ class Generation:
     completion_mask: Tensor
     prompt_length: int
     texts: list[str]
+
+
+def encode_completions(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, each ``[N, C]``: every text's tokens followed by EOS, right-padded."""
+    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
+    width = max(map(len, pieces))
+    ids = torch.full((len(pieces), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(pieces), width), dtype=torch.long)
+    for row, piece in enumerate(pieces):
+        ids[row, : len(piece)], mask[row, : len(piece)] = torch.tensor(piece), 1
+    return ids, mask
 
 
 def _generate(model: nn.Module, **kwargs) -> Tensor:
@@ -262,12 +273,7 @@ class RLModule(PolicyModule):
     def sequence_logprobs(self, prompts: list[str], completions: list[str]) -> Tensor:
         """``[N]`` log-probability of each completion (and its EOS) after its prompt, under the current policy."""
         prompt = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        pieces = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id] for c in completions]
-        width = max(map(len, pieces))
-        completion = torch.full((len(pieces), width), self.tokenizer.pad_token_id)
-        mask = torch.zeros((len(pieces), width), dtype=torch.long)
-        for row, ids in enumerate(pieces):
-            completion[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids), 1
+        completion, mask = encode_completions(self.tokenizer, completions)
         input_ids = torch.cat([prompt["input_ids"], completion], 1).to(self.device)
         attention_mask = torch.cat([prompt["attention_mask"], mask], 1).to(self.device)
         logprobs = self.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1])

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from lit_cancel import PRESETS, AdditionTask, Generation, RLModule, RolloutDataModule
+from lit_cancel.module import encode_completions
 
 
 class FixedRollouts(RLModule):
@@ -29,12 +30,7 @@ class FixedRollouts(RLModule):
             a, b = (int(x) for x in prompt.rstrip("=").split("+"))
             right = self.trainer.datamodule.task.solutions({"a": a, "b": b, "answer": str(a + b)})
             texts += [right[0], right[0][:5], right[-1], right[0][:-1] + "9" + "," + right[0][:9]][:num_samples]
-        completions = [self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id] for t in texts]
-        width = max(map(len, completions))
-        tokens = torch.full((len(texts), width), self.tokenizer.pad_token_id)
-        completion_mask = torch.zeros((len(texts), width), dtype=torch.long)
-        for row, ids in enumerate(completions):
-            tokens[row, : len(ids)], completion_mask[row, : len(ids)] = torch.tensor(ids), 1
+        tokens, completion_mask = encode_completions(self.tokenizer, texts)
         prompts = input_ids.repeat_interleave(num_samples, 0)
         return Generation(
             input_ids=torch.cat([prompts, tokens.to(prompts.device)], 1),
