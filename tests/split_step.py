@@ -66,15 +66,20 @@ class GreedyBeforeTraining(L.Callback):
         self.texts = RLModule.rollout(pl_module, prompts["input_ids"], prompts["attention_mask"], greedy=True).texts
 
 
-def train(objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float) -> dict[str, torch.Tensor]:
+def train(
+    objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float,
+    precision: str = "32-true", dtype: str | None = None,
+) -> dict:
     # plain SGD: Adam's normalisation would turn float rounding in near-zero gradients into lr-sized steps
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
-    module = FixedRollouts("embedded:tiny-adder", objective=PRESETS[objective](kl_coef=kl_coef), optimizer=optimizer)
+    module = FixedRollouts(
+        "embedded:tiny-adder", objective=PRESETS[objective](kl_coef=kl_coef), optimizer=optimizer, dtype=dtype
+    )
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
     saver, greedy = SaveGradient(), GreedyBeforeTraining()
     strategies = {"auto": "auto", "ddp": "ddp", "fsdp2": ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)}
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=devices, strategy=strategies[strategy],
+        max_steps=steps, accelerator="cpu", devices=devices, strategy=strategies[strategy], precision=precision,
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[saver, greedy],
     )
@@ -84,6 +89,7 @@ def train(objective: str, devices: int, strategy: str, accumulate: int, steps: i
         "gradient": saver.gradient,
         "parameters": flat(module.policy.parameters()),
         "local_parameters": local,
+        "dtypes": {p.dtype for p in module.parameters()},
         "greedy": greedy.texts,
     }
 
