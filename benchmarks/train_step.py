@@ -42,6 +42,7 @@ class StepTimer(L.Callback):
         self.seconds: list[float] = []
         self.tokens: list[int] = []
         self.lengths: list[int] = []
+        self.started = 0.0
 
     def _sync(self, pl_module) -> None:
         if pl_module.device.type == "cuda":
