@@ -1,6 +1,8 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
 import functools
+import math
+import numbers
 import time
 
 import lightning as L
@@ -15,7 +17,20 @@ from lit_cancel.tasks import Record, Task
 
 
 class RewardError(RuntimeError):
-    """A task's reward function raised on a completion."""
+    """A task's reward function raised on a completion, or returned something that is not a finite number."""
+
+
+def checked_reward(reward: object, source: str, where: str) -> float:
+    """``reward`` as a float: a finite real number (bool, int, float, a numpy scalar or a one-element tensor).
+
+    Anything else raises :class:`RewardError` naming ``source`` and ``where``. A numeric string is
+    refused too: ``"1.0"`` usually means a reward function that formats instead of scoring.
+    """
+    if isinstance(reward, torch.Tensor) and reward.numel() == 1:
+        reward = reward.item()
+    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+        return float(reward)
+    raise RewardError(f"{source} returned {reward!r} ({type(reward).__name__}), expected a finite number, {where}")
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -50,13 +65,12 @@ class TaskDataModule(L.LightningDataModule):
         """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises is reported with its input."""
         rewards = []
         for record, completion in zip(records, completions, strict=True):
+            where = f"on prompt {record['prompt']!r} and completion {completion!r}"
             try:
-                rewards.append(float(self.task.reward(record, completion)))
+                reward = self.task.reward(record, completion)
             except Exception as error:
-                raise RewardError(
-                    f"{type(self.task).__name__}.reward raised {type(error).__name__}: {error} "
-                    f"on prompt {record['prompt']!r} and completion {completion!r}"
-                ) from error
+                raise RewardError(f"{type(self.task).__name__}.reward raised {type(error).__name__}: {error} {where}") from error
+            rewards.append(checked_reward(reward, f"{type(self.task).__name__}.reward", where))
         return torch.tensor(rewards)
 
 
@@ -110,6 +124,8 @@ class RolloutDataModule(TaskDataModule):
         max_prompt_draws: draws of ``prompts_per_round`` prompts per round at most, with dynamic sampling.
         val_batch_size: held-out prompts per validation batch.
         seed: seed of the prompt order, the sampling and the plans.
+        allow_resume_changes: resume from a checkpoint whose round sizes, plan or objective differ
+            from this run's; without it such a resume stops at start-up and names what changed.
     """
 
     def __init__(
@@ -125,6 +141,7 @@ class RolloutDataModule(TaskDataModule):
         max_prompt_draws: int = 4,
         val_batch_size: int = 200,
         seed: int = 0,
+        allow_resume_changes: bool = False,
     ):
         super().__init__(task, tokenizer_path, val_batch_size)
         if group_size < 2:
@@ -140,10 +157,13 @@ class RolloutDataModule(TaskDataModule):
         self.prompts_per_round, self.group_size = prompts_per_round, group_size
         self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
         self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
+        self.allow_resume_changes = allow_resume_changes
         self.rounds_done = 0
         self.prompt_draws = 0
         self.pending: list[RolloutBatch] = []
         self.waiting: RolloutBatch | None = None
+        # micro-batches handed to the training step, with the optimizer step they belong to
+        self.in_flight: list[tuple[int, RolloutBatch]] = []
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
@@ -151,6 +171,14 @@ class RolloutDataModule(TaskDataModule):
         if self.prompts_per_round % world:
             raise ValueError(f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world})")
         self.plan.check(self.prompts_per_round // world * self.group_size, self.group_size, self.mini_batches_per_round, accumulation)
+        objective = getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
+        if getattr(objective, "group_transform", None) is not None and self.plan.splits_groups(self.mini_batches_per_round, accumulation):
+            raise ValueError(
+                f"{type(objective).__name__} transforms the weights of each whole group, but the plan {type(self.plan).__name__} "
+                f"(mini_batches_per_round={self.mini_batches_per_round}, trainer.accumulate_grad_batches={accumulation}) "
+                f"puts a group's rollouts in different micro-batches, where the transform sees only part of the group and "
+                f"shared tokens stop cancelling: use the plan lit_cancel.QueryPreserved"
+            )
         if stage == "fit" and len(self.task.train_records()) < self.prompts_per_round:
             raise ValueError(
                 f"the task has {len(self.task.train_records())} training prompts, fewer than prompts_per_round={self.prompts_per_round}"
@@ -165,7 +193,10 @@ class RolloutDataModule(TaskDataModule):
         if not self.pending:
             self.pending = self.make_round()
             self.rounds_done += 1
-        return self.pending.pop(0)
+        step = self.trainer.global_step
+        self.in_flight = [(s, b) for s, b in self.in_flight if s == step]
+        self.in_flight.append((step, self.pending.pop(0)))
+        return self.in_flight[-1][1]
 
     def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
         """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
@@ -191,7 +222,9 @@ class RolloutDataModule(TaskDataModule):
         records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
         prompts = self.encode_prompts(records)
         started = time.perf_counter()
-        with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+        # the precision of the training step (autocast under bf16-mixed), so old and new log-probs agree
+        with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
+                trainer.precision_plugin.forward_context():
             torch.manual_seed(self._seed(draw))
             generation = module.rollout(
                 prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), self.group_size
@@ -199,7 +232,8 @@ class RolloutDataModule(TaskDataModule):
         seconds = time.perf_counter() - started
         rewards = self.score([r for r in records for _ in range(self.group_size)], generation.texts)
         advantages = module.objective.advantages(rewards.view(len(records), self.group_size)).reshape(-1)
-        old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
+        with trainer.precision_plugin.forward_context():
+            old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
         device = generation.input_ids.device
         first_group = (draw * trainer.world_size + trainer.global_rank) * len(records)
         batch = RolloutBatch(
@@ -297,18 +331,45 @@ class RolloutDataModule(TaskDataModule):
                 batches.append(batch)
         return batches
 
-    def state_dict(self) -> dict:
+    def run_shape(self) -> dict[str, object]:
+        """The options a checkpoint's rollout state depends on, by their command-line names."""
+        objective = getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
         return {
+            "data.init_args.group_size": self.group_size,
+            "data.init_args.prompts_per_round": self.prompts_per_round,
+            "data.init_args.mini_batches_per_round": self.mini_batches_per_round,
+            "data.init_args.epochs_per_round": self.epochs_per_round,
+            "data.init_args.plan": _class_path(self.plan),
+            "model.init_args.objective": _class_path(objective),
+        }
+
+    def state_dict(self) -> dict:
+        # micro-batches of an optimizer step that has not happened yet (a checkpoint written on an
+        # exception or Ctrl-C in the middle of a step) are trained again after a resume
+        unfinished = [b for step, b in self.in_flight if self.trainer is None or step == self.trainer.global_step]
+        return {
+            "run_shape": self.run_shape(),
             "rounds_done": self.rounds_done,
             "prompt_draws": self.prompt_draws,
-            "pending": [b.to_state() for b in self.pending],
+            "pending": [b.to_state() for b in unfinished + self.pending],
             "waiting": None if self.waiting is None else self.waiting.to_state(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved, current = state_dict.get("run_shape", {}), self.run_shape()
+        changed = [f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items() if name in saved and saved[name] != value]
+        if changed and not self.allow_resume_changes:
+            raise ValueError(
+                f"the checkpoint was written by a run with other settings: {'; '.join(changed)} "
+                f"(resume with the checkpoint's settings, or pass --data.init_args.allow_resume_changes true)"
+            )
         self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
         self.pending = [RolloutBatch.from_state(s) for s in state_dict["pending"]]
         self.waiting = None if state_dict["waiting"] is None else RolloutBatch.from_state(state_dict["waiting"])
+
+
+def _class_path(value: object) -> str | None:
+    return None if value is None else f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def groups_split(group_ids: Tensor, steps: list[Tensor]) -> int:

@@ -7,6 +7,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torchmetrics import MeanMetric
@@ -224,15 +225,27 @@ class RLModule(PolicyModule):
     ``token_logprobs``, ``next_token_logprobs`` and ``sequence_logprobs`` give the callbacks their
     extra forward passes.
 
+    An optimizer step whose loss or gradient is not finite is skipped (the weights and the
+    optimizer state stay as they were), counted in ``health/skipped_steps`` and named in a warning;
+    after ``max_skipped_steps`` such steps in a row the run stops with an error.
+
     Args:
         objective: the objective; :class:`GRPO` when None. A reference model is built only when
             its ``kl_coef`` is above 0 (with ``lora``, the policy with its adapters disabled serves).
+        max_skipped_steps: non-finite optimizer steps in a row after which the run stops.
         **kwargs: see :class:`PolicyModule`.
     """
 
-    def __init__(self, model_path: str = "embedded:tiny-adder", objective: Objective | None = None, **kwargs):
+    def __init__(
+        self, model_path: str = "embedded:tiny-adder", objective: Objective | None = None, max_skipped_steps: int = 3, **kwargs
+    ):
         super().__init__(model_path, **kwargs)
+        if max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
         self.objective = objective if objective is not None else GRPO()
+        self.max_skipped_steps = max_skipped_steps
+        self.skipped_steps, self.skipped_in_a_row = 0, 0
+        self.nonfinite_loss = False
         # with LoRA the reference is the policy with its adapters disabled, not a second copy
         self.reference = None
         if self.objective.kl_coef > 0 and self.lora is None:
@@ -284,6 +297,7 @@ class RLModule(PolicyModule):
             self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
         )
         out = self.objective(logprobs, batch)
+        self.nonfinite_loss |= not bool(torch.isfinite(out.loss))
         mask = batch.completion_mask
         size = len(batch)
         self.log_dict(out.metrics, batch_size=size)
@@ -303,3 +317,38 @@ class RLModule(PolicyModule):
             "attention_mask": batch.attention_mask,
             "prompt_length": batch.prompt_length,
         }
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skips a step whose loss or gradient is not finite: without gradients the optimizer leaves every parameter alone."""
+        # sharded gradients are DTensors: each process checks its own shard, then the processes agree
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.parameters() if p.grad is not None]
+        gradient_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        flags = torch.stack([torch.tensor(self.nonfinite_loss), ~gradient_finite.cpu()]).float().to(self.device)
+        loss_bad, gradient_bad = (self.trainer.strategy.reduce(flags, reduce_op="sum") > 0).tolist()
+        self.nonfinite_loss = False
+        if loss_bad or gradient_bad:
+            optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            quantity = "loss" if loss_bad else "gradient norm"
+            lr = optimizer.param_groups[0]["lr"]
+            if self.skipped_in_a_row >= self.max_skipped_steps:
+                raise FloatingPointError(
+                    f"the {quantity} was not finite in {self.skipped_in_a_row} optimizer steps in a row (the last at step "
+                    f"{self.global_step}); the weights are those of the last finite step. Lower the learning rate "
+                    f"(now {lr:g}, model.init_args.optimizer.init_args.lr)"
+                )
+            rank_zero_warn(
+                f"step {self.global_step}: the {quantity} is not finite; the optimizer step is skipped "
+                f"({self.skipped_in_a_row} in a row, the run stops at {self.max_skipped_steps}; learning rate {lr:g})"
+            )
+        else:
+            self.skipped_in_a_row = 0
+        self.log("health/skipped_steps", float(self.skipped_steps))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = checkpoint.get("skipped_steps", 0)

@@ -123,6 +123,13 @@ class PolicyGradient(Objective):
         return self.advantage(rewards)
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
+        if batch.step_sequences <= 0 or batch.step_tokens <= 0:
+            raise ValueError(
+                f"{type(self).__name__} needs the optimizer step's counts on the RolloutBatch, got step_sequences="
+                f"{batch.step_sequences} and step_tokens={batch.step_tokens}: for a step of one micro-batch on one process "
+                f"set step_sequences=len(batch) and step_tokens=float(batch.completion_mask.sum()) "
+                f"(RolloutDataModule sets both, divided by the micro-batches and processes averaged over)"
+            )
         mask = batch.completion_mask.to(logprobs.dtype)
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
         advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)

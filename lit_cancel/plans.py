@@ -39,6 +39,10 @@ class MiniBatchPlan(ABC):
     def split(self, batch: RolloutBatch, steps: int, generator: torch.Generator) -> list[Tensor]:
         """Row indices of each of ``steps`` equal optimizer steps; every row exactly once."""
 
+    def splits_groups(self, steps: int, micro_batches: int) -> bool:
+        """Whether a group's rollouts can land in different micro-batches, or some of them in a later round."""
+        return self.carries_rollouts or steps * micro_batches > 1
+
     def check(self, rollouts: int, group_size: int, steps: int, micro_batches: int) -> None:
         """Raises ``ValueError`` at start-up when a round of ``rollouts`` cannot be planned."""
         if rollouts % (steps * micro_batches):
@@ -68,6 +72,9 @@ class QueryPreserved(MiniBatchPlan):
                 f"QueryPreserved: the {groups} groups of a round (per process) must divide into mini_batches_per_round "
                 f"({steps}) x trainer.accumulate_grad_batches ({micro_batches}) micro-batches of whole groups"
             )
+
+    def splits_groups(self, steps: int, micro_batches: int) -> bool:
+        return False
 
     def split(self, batch: RolloutBatch, steps: int, generator: torch.Generator) -> list[Tensor]:
         groups, index = torch.unique(batch.group_ids, return_inverse=True)
