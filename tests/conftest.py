@@ -1,4 +1,8 @@
+import importlib.util
 import json
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,3 +39,19 @@ def gsm8k_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def lit_cancel_script() -> str:
+    """The ``lit-cancel`` console script: on PATH, or beside this Python (a virtual environment that is not activated)."""
+    return shutil.which("lit-cancel") or str(Path(sys.executable).parent / "lit-cancel")
+
+
+@pytest.fixture(scope="session")
+def split_step():
+    """``tests/split_step.py``, loaded by its path: tests run it as a script in several processes, and call it here."""
+    path = Path(__file__).parent / "split_step.py"
+    spec = importlib.util.spec_from_file_location("lit_cancel_tests_split_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

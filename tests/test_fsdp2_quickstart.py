@@ -1,5 +1,6 @@
 """``configs/quickstart-fsdp2-cpu.yaml`` end to end: 2 processes, FSDP2, checkpoint, resume and export."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from lit_cancel import RLModule
 from lit_cancel.cli import export
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-fsdp2-cpu.yaml"
-LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
+LIT_CANCEL = shutil.which("lit-cancel") or str(Path(sys.executable).parent / "lit-cancel")
 
 
 def fit(save_dir, max_steps: int, *extra: str) -> None:

@@ -69,15 +69,15 @@ def test_checkpoint_holds_only_the_adapters_and_export_reloads(trained, tmp_path
     assert torch.allclose(completion_logprobs(merged, ids, mask, 4)[0], trained_logprobs, atol=1e-4)
 
 
-def test_export_command_merges_a_lora_run(tmp_path):
+def test_export_command_merges_a_lora_run(tmp_path, lit_cancel_script):
     import subprocess
 
-    run = ["lit-cancel", "fit", "--config", str(CONFIGS / "lora.yaml"), "--trainer.max_steps=2",
+    run = [lit_cancel_script, "fit", "--config", str(CONFIGS / "lora.yaml"), "--trainer.max_steps=2",
            "--trainer.val_check_interval=2", f"--trainer.logger.init_args.save_dir={tmp_path}",
            "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=1", "--trainer.enable_progress_bar=false"]
     subprocess.run(run, check=True, capture_output=True, timeout=300)
     (checkpoint,) = tmp_path.glob("lora/version_0/checkpoints/last.ckpt")
-    result = subprocess.run(["lit-cancel", "export", "--config", str(CONFIGS / "lora.yaml"), "--ckpt_path", str(checkpoint),
+    result = subprocess.run([lit_cancel_script, "export", "--config", str(CONFIGS / "lora.yaml"), "--ckpt_path", str(checkpoint),
                              "--output_dir", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
