@@ -3,7 +3,8 @@
 from lit_cancel.advantages import BatchNormalised, GroupNormalised, LeaveOneOut, MeanCentred
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.clipping import AsymmetricClip, DualClip, NoClip, SymmetricClip
-from lit_cancel.data import RewardError, RolloutDataModule, TaskDataModule
+from lit_cancel.data import RolloutDataModule, TaskDataModule
+from lit_cancel.rollouts import RewardError
 from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
 from lit_cancel.lora import LoRA
 from lit_cancel.module import Generation, PolicyModule, RLModule

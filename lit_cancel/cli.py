@@ -14,14 +14,11 @@ from lit_cancel import audit
 
 
 class LitCancelCLI(LightningCLI):
-    """``LightningCLI`` in subclass mode; the tokenizer path follows the model path.
+    """``LightningCLI`` in subclass mode.
 
     Before ``fit`` starts from scratch (no ``--ckpt_path``), it validates once, so the held-out
     accuracy of the starting policy is logged at step 0.
     """
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("model.init_args.model_path", "data.init_args.tokenizer_path")
 
     def before_fit(self) -> None:
         if self.config.fit.get("ckpt_path") is None:

@@ -1,58 +1,43 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
 import functools
-import math
-import numbers
-import time
 
 import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.hub import load_tokenizer
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved
+from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups
 from lit_cancel.tasks import Record, Task
 
 
-class RewardError(RuntimeError):
-    """A task's reward function raised on a completion, or returned something that is not a finite number."""
-
-
-def checked_reward(reward: object, source: str, where: str) -> float:
-    """``reward`` as a float: a finite real number (bool, int, float, a numpy scalar or a one-element tensor).
-
-    Anything else raises :class:`RewardError` naming ``source`` and ``where``. A numeric string is
-    refused too: ``"1.0"`` usually means a reward function that formats instead of scoring.
-    """
-    if isinstance(reward, torch.Tensor) and reward.numel() == 1:
-        reward = reward.item()
-    if isinstance(reward, numbers.Real) and math.isfinite(reward):
-        return float(reward)
-    raise RewardError(f"{source} returned {reward!r} ({type(reward).__name__}), expected a finite number, {where}")
-
-
 class TaskDataModule(L.LightningDataModule):
-    """A task's held-out prompts, tokenised, and the task's reward.
+    """A task's held-out prompts, tokenised with the tokenizer of the LightningModule being trained.
 
     Args:
         task: where prompts come from and how completions are rewarded.
-        tokenizer_path: folder of the tokenizer; the CLI links it to ``model.init_args.model_path``.
         val_batch_size: held-out prompts per validation batch.
     """
 
-    def __init__(self, task: Task, tokenizer_path: str = "embedded:tiny-adder", val_batch_size: int = 200):
+    def __init__(self, task: Task, val_batch_size: int = 200):
         super().__init__()
         if val_batch_size < 1:
             raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
-        self.task, self.tokenizer_path, self.val_batch_size = task, tokenizer_path, val_batch_size
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.task, self.val_batch_size = task, val_batch_size
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the module this datamodule feeds (one tokenizer per run, the policy's)."""
+        if self.trainer is None or self.trainer.lightning_module is None:
+            raise RuntimeError(f"{type(self).__name__} uses the tokenizer of the LightningModule it feeds: attach both to a Trainer first")
+        return self.trainer.lightning_module.tokenizer
 
     def encode_prompts(self, records: list[Record]) -> dict:
         """Left-padded prompt ids and mask of ``records``."""
-        encoded = self.tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True)
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
+        return encode_prompts(self.tokenizer, records)
 
     def drift_probes(self, count: int) -> list[dict]:
         """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``."""
@@ -60,18 +45,6 @@ class TaskDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
-
-    def score(self, records: list[Record], completions: list[str]) -> torch.Tensor:
-        """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises is reported with its input."""
-        rewards = []
-        for record, completion in zip(records, completions, strict=True):
-            where = f"on prompt {record['prompt']!r} and completion {completion!r}"
-            try:
-                reward = self.task.reward(record, completion)
-            except Exception as error:
-                raise RewardError(f"{type(self.task).__name__}.reward raised {type(error).__name__}: {error} {where}") from error
-            rewards.append(checked_reward(reward, f"{type(self.task).__name__}.reward", where))
-        return torch.tensor(rewards)
 
 
 class _NextMiniBatch:
@@ -114,7 +87,6 @@ class RolloutDataModule(TaskDataModule):
 
     Args:
         task: where prompts come from and how completions are rewarded.
-        tokenizer_path: folder of the tokenizer; the CLI links it to ``model.init_args.model_path``.
         prompts_per_round: prompts per round, summed over processes.
         group_size: rollouts sampled per prompt (``G``), at least 2.
         mini_batches_per_round: optimizer steps per epoch over a round.
@@ -131,7 +103,6 @@ class RolloutDataModule(TaskDataModule):
     def __init__(
         self,
         task: Task,
-        tokenizer_path: str = "embedded:tiny-adder",
         prompts_per_round: int = 16,
         group_size: int = 8,
         mini_batches_per_round: int = 1,
@@ -143,7 +114,7 @@ class RolloutDataModule(TaskDataModule):
         seed: int = 0,
         allow_resume_changes: bool = False,
     ):
-        super().__init__(task, tokenizer_path, val_batch_size)
+        super().__init__(task, val_batch_size)
         if group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2 (advantages compare the completions of one prompt), got {group_size}"
@@ -218,37 +189,13 @@ class RolloutDataModule(TaskDataModule):
 
     def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float]:
         """Samples and scores one draw of prompts; returns the rollouts and the seconds spent sampling."""
-        module, trainer = self.trainer.lightning_module, self.trainer
+        trainer = self.trainer
         records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
-        prompts = self.encode_prompts(records)
-        started = time.perf_counter()
-        # the precision of the training step (autocast under bf16-mixed), so old and new log-probs agree
-        with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
-                trainer.precision_plugin.forward_context():
-            torch.manual_seed(self._seed(draw))
-            generation = module.rollout(
-                prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), self.group_size
-            )
-        seconds = time.perf_counter() - started
-        rewards = self.score([r for r in records for _ in range(self.group_size)], generation.texts)
-        advantages = module.objective.advantages(rewards.view(len(records), self.group_size)).reshape(-1)
-        with trainer.precision_plugin.forward_context():
-            old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
-        device = generation.input_ids.device
-        first_group = (draw * trainer.world_size + trainer.global_rank) * len(records)
-        batch = RolloutBatch(
-            input_ids=generation.input_ids,
-            attention_mask=generation.attention_mask,
-            completion_mask=generation.completion_mask,
-            prompt_length=generation.prompt_length,
-            rewards=rewards.to(device),
-            advantages=advantages.to(device),
-            group_ids=torch.arange(first_group, first_group + len(records), device=device).repeat_interleave(self.group_size),
-            sampled_round=torch.full((len(records) * self.group_size,), self.rounds_done, device=device),
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
+        return sample_groups(
+            trainer.lightning_module, self.task, records, self.group_size, seed=self._seed(draw),
+            first_group=(draw * trainer.world_size + trainer.global_rank) * len(records), round_index=self.rounds_done,
+            with_old_logprobs=with_old_logprobs,
         )
-        return batch, seconds
 
     def sample_round(self, with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
         """This process's groups of the round, after dynamic sampling when it is on, and the round's statistics."""
@@ -272,16 +219,7 @@ class RolloutDataModule(TaskDataModule):
         sampled = RolloutBatch.concat(informative + uninformative)
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
-        rewards = sampled.rewards.view(-1, self.group_size)
-        lengths = sampled.completion_mask.sum(1).float()
-        stats = {
-            "rollout/reward_mean": rewards.mean().item(),
-            "rollout/accuracy": (rewards > 0).float().mean().item(),
-            "rollout/completion_len": lengths.mean().item(),
-            "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
-            "rollout/dropped_groups": float(len(sampled) - rows) / self.group_size,
-            "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
-        }
+        stats = round_stats(sampled, rows, self.group_size, seconds)
         return kept, stats
 
     def make_round(self) -> list[RolloutBatch]:

@@ -19,6 +19,7 @@ from lit_cancel.lora import LoRA
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
+from lit_cancel.rollouts import score
 from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard
 
 
@@ -66,7 +67,7 @@ class PolicyModule(L.LightningModule):
     """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
 
     Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
-    ``records``; the datamodule's ``score(records, completions)`` gives the rewards. Logged:
+    ``records``; the datamodule's ``task`` gives the rewards. Logged:
     ``val/accuracy`` (mean reward of ``val_samples`` samples per prompt at ``temperature``) and
     ``val/greedy_accuracy`` (greedy pass@1).
 
@@ -178,11 +179,11 @@ class PolicyModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         records, size = batch["records"], len(batch["records"])
-        score = self.trainer.datamodule.score
+        task = self.trainer.datamodule.task
         greedy = self.rollout(batch["input_ids"], batch["attention_mask"], greedy=True)
-        self.val_greedy_accuracy.update(score(records, greedy.texts))
+        self.val_greedy_accuracy.update(score(task, records, greedy.texts))
         sampled = self.rollout(batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
-        self.val_accuracy.update(score([r for r in records for _ in range(self.val_samples)], sampled.texts))
+        self.val_accuracy.update(score(task, [r for r in records for _ in range(self.val_samples)], sampled.texts))
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples)
         self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size)
 

@@ -33,14 +33,13 @@ class SFTDataModule(TaskDataModule):
 
     Args:
         task: where prompts and their solutions come from.
-        tokenizer_path: folder of the tokenizer; the CLI links it to ``model.init_args.model_path``.
         batch_size: examples per optimizer step.
         val_batch_size: held-out prompts per validation batch.
         seed: seed of the order and of the choice among equivalent solutions.
     """
 
-    def __init__(self, task: Task, tokenizer_path: str = "embedded:tiny-adder", batch_size: int = 64, val_batch_size: int = 200, seed: int = 0):
-        super().__init__(task, tokenizer_path, val_batch_size)
+    def __init__(self, task: Task, batch_size: int = 64, val_batch_size: int = 200, seed: int = 0):
+        super().__init__(task, val_batch_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.seed = batch_size, seed

@@ -77,7 +77,7 @@ def test_real_model_path_trains_from_local_folder_and_jsonl(tmp_path, tiny_model
         "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward", "--model.init_args.optimizer.init_args.lr=0.01",
     ])
     assert cli.trainer.global_step == 2
-    assert cli.datamodule.tokenizer_path == tiny_model_path  # linked to the model path
+    assert cli.datamodule.tokenizer is cli.model.tokenizer  # one tokenizer, the policy's
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert any(not torch.equal(p, q) for p, q in zip(cli.model.policy.parameters(), initial.parameters()))
     logged = scalars(cli.trainer.logger.log_dir)

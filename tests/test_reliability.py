@@ -14,7 +14,7 @@ import torch
 from lit_cancel import GRPO, AdditionTask, DFPOMin, RLModule, RolloutDataModule, Shuffled
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.cli import run_cli
-from lit_cancel.data import RewardError
+from lit_cancel.rollouts import RewardError, score
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -57,9 +57,8 @@ def test_a_reward_that_is_not_a_finite_number_stops_the_run_before_any_step(valu
 
 @pytest.mark.parametrize("value", [True, 1, 0.25])
 def test_bools_ints_and_floats_are_rewards(value):
-    data = RolloutDataModule(FixedReward(value), prompts_per_round=2, group_size=2)
-    records = data.task.train_records()[:2]
-    assert data.score(records, ["x", "y"]).tolist() == [float(value)] * 2
+    task = FixedReward(value)
+    assert score(task, task.train_records()[:2], ["x", "y"]).tolist() == [float(value)] * 2
 
 
 class PoisonedGRPO(GRPO):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lit_cancel import AdditionTask, GRPO, RLModule, RolloutDataModule
+from lit_cancel.rollouts import encode_prompts
 
 
 def small_task():
@@ -32,8 +33,7 @@ class RecordingRLModule(RLModule):
 
 def test_rollout_completion_mask_stops_at_first_eos():
     module = RLModule("embedded:tiny-adder", max_new_tokens=40)
-    data = RolloutDataModule(small_task(), group_size=4)
-    prompts = data.encode_prompts(small_task().train_records()[:3])
+    prompts = encode_prompts(module.tokenizer, small_task().train_records()[:3])
     torch.manual_seed(0)
     generation = module.rollout(prompts["input_ids"], prompts["attention_mask"], num_samples=4)
     eos, pad = module.tokenizer.eos_token_id, module.tokenizer.pad_token_id

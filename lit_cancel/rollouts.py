@@ -1,0 +1,110 @@
+"""One draw of rollouts, top to bottom: prompts -> completions -> rewards -> advantages -> log-probs -> RolloutBatch.
+
+Plain functions of the policy module (which holds the tokenizer, ``rollout()``, the objective and
+the reference model), the prompt records and the task. ``RolloutDataModule`` decides which prompts
+to draw and how the result is cut into optimizer steps; validation scores its samples with
+:func:`score`.
+"""
+
+import math
+import numbers
+import time
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from lit_cancel.batch import RolloutBatch
+from lit_cancel.tasks import Record, Task
+
+
+class RewardError(RuntimeError):
+    """A task's reward function raised on a completion, or returned something that is not a finite number."""
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[Record]) -> dict:
+    """Left-padded prompt ids and mask of ``records``, and the records themselves."""
+    encoded = tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True)
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
+
+
+def checked_reward(reward: object, source: str, where: str) -> float:
+    """``reward`` as a float: a finite real number (bool, int, float, a numpy scalar or a one-element tensor).
+
+    Anything else raises :class:`RewardError` naming ``source`` and ``where``. A numeric string is
+    refused too: ``"1.0"`` usually means a reward function that formats instead of scoring.
+    """
+    if isinstance(reward, Tensor) and reward.numel() == 1:
+        reward = reward.item()
+    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+        return float(reward)
+    raise RewardError(f"{source} returned {reward!r} ({type(reward).__name__}), expected a finite number, {where}")
+
+
+def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
+    """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises or returns a non-number is named with its input."""
+    source = f"{type(task).__name__}.reward"
+    rewards = []
+    for record, completion in zip(records, completions, strict=True):
+        where = f"on prompt {record['prompt']!r} and completion {completion!r}"
+        try:
+            reward = task.reward(record, completion)
+        except Exception as error:
+            raise RewardError(f"{source} raised {type(error).__name__}: {error} {where}") from error
+        rewards.append(checked_reward(reward, source, where))
+    return torch.tensor(rewards)
+
+
+def sample_groups(
+    module, task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int, round_index: int,
+    with_old_logprobs: bool,
+) -> tuple[RolloutBatch, float]:
+    """``group_size`` scored rollouts of each of ``records``, and the seconds spent sampling.
+
+    Sampling is seeded by ``seed`` without touching the global random state. Rows ``i * G .. i * G
+    + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
+    old and reference log-probs run in the trainer's precision context, as the training step does,
+    so that the step's first importance ratios are exactly 1.
+    """
+    precision = module.trainer.precision_plugin
+    prompts = encode_prompts(module.tokenizer, records)
+
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), precision.forward_context():
+        torch.manual_seed(seed)
+        generation = module.rollout(prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), group_size)
+    seconds = time.perf_counter() - started
+
+    rewards = score(task, [r for r in records for _ in range(group_size)], generation.texts)
+    advantages = module.objective.advantages(rewards.view(len(records), group_size)).reshape(-1)
+    with precision.forward_context():
+        old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
+
+    device = generation.input_ids.device
+    batch = RolloutBatch(
+        input_ids=generation.input_ids,
+        attention_mask=generation.attention_mask,
+        completion_mask=generation.completion_mask,
+        prompt_length=generation.prompt_length,
+        rewards=rewards.to(device),
+        advantages=advantages.to(device),
+        group_ids=torch.arange(first_group, first_group + len(records), device=device).repeat_interleave(group_size),
+        sampled_round=torch.full((len(records) * group_size,), round_index, device=device),
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+    )
+    return batch, seconds
+
+
+def round_stats(sampled: RolloutBatch, kept: int, group_size: int, seconds: float) -> dict[str, float]:
+    """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained."""
+    rewards = sampled.rewards.view(-1, group_size)
+    lengths = sampled.completion_mask.sum(1).float()
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/accuracy": (rewards > 0).float().mean().item(),
+        "rollout/completion_len": lengths.mean().item(),
+        "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+        "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
+        "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+    }
