@@ -24,7 +24,7 @@ class StepProgressBar(RichProgressBar):
 
     With ``trainer.enable_progress_bar: false`` the ``lit-cancel`` command drops this callback
     from the configured callbacks (Lightning refuses a progress bar callback otherwise). Outside a
-    terminal (CI logs) rich prints each bar once, when it ends.
+    terminal (CI logs) rich prints the bar once, when training ends.
 
     Args:
         metrics: ``{label: logged metric name}`` to show, in order; a metric not logged yet is
