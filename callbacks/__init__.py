@@ -1,4 +1,4 @@
-"""Training-health callbacks, installed as ``lit_cancel.callbacks``.
+"""Training-health and logging callbacks, installed as ``lit_cancel.callbacks``.
 
 Each file stands alone: it imports Lightning, torch and torchmetrics, never ``lit_cancel``, so it
 can be copied into any Lightning project whose training step meets its documented contract.
@@ -6,7 +6,14 @@ can be copied into any Lightning project whose training step meets its documente
 
 from .entropy_collapse import EntropyCollapseMonitor
 from .learning_tax import LearningTaxMonitor
+from .rollout_samples import RolloutSamplesLogger
 from .solution_drift import SolutionProbabilityDriftMonitor
 from .token_flip import TokenFlipMonitor
 
-__all__ = ["EntropyCollapseMonitor", "LearningTaxMonitor", "SolutionProbabilityDriftMonitor", "TokenFlipMonitor"]
+__all__ = [
+    "EntropyCollapseMonitor",
+    "LearningTaxMonitor",
+    "RolloutSamplesLogger",
+    "SolutionProbabilityDriftMonitor",
+    "TokenFlipMonitor",
+]

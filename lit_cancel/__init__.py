@@ -12,6 +12,8 @@ from lit_cancel.normalisers import ConstantLength, SequenceMean, TokenMean
 from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved, RewardBalanced, Shuffled
 from lit_cancel.presets import DAPO, GRPO, GSPO, PRESETS, RLOO, DFPOMin, DFPOOrth, DrGRPO
+from lit_cancel.progress import StepProgressBar
+from lit_cancel.rewards import MathVerifyReward
 from lit_cancel.sft import SFTDataModule, SFTModule
 from lit_cancel.sharding import ModelRoot
 from lit_cancel.tasks import AdditionTask, MathWordTask, Task
@@ -33,6 +35,7 @@ __all__ = [
     "GSPO",
     "LeaveOneOut",
     "LoRA",
+    "MathVerifyReward",
     "MathWordTask",
     "MeanCentred",
     "MiniBatchPlan",
@@ -55,6 +58,7 @@ __all__ = [
     "SFTDataModule",
     "SFTModule",
     "Shuffled",
+    "StepProgressBar",
     "SymmetricClip",
     "Task",
     "TaskDataModule",

@@ -1,12 +1,14 @@
 """The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links."""
 
 import argparse
+import importlib
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -17,12 +19,24 @@ class LitCancelCLI(LightningCLI):
     """``LightningCLI`` in subclass mode.
 
     Before ``fit`` starts from scratch (no ``--ckpt_path``), it validates once, so the held-out
-    accuracy of the starting policy is logged at step 0.
+    accuracy of the starting policy is logged at step 0. ``--trainer.enable_progress_bar=false``
+    drops a progress bar that the config lists among the callbacks.
     """
+
+    def before_instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        if trainer.enable_progress_bar is False and isinstance(trainer.callbacks, list):
+            # Lightning refuses a progress bar callback with enable_progress_bar=False
+            trainer.callbacks = [c for c in trainer.callbacks if not issubclass(_class(c.class_path), ProgressBar)]
 
     def before_fit(self) -> None:
         if self.config.fit.get("ckpt_path") is None:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+
+
+def _class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def run_cli(args: list[str] | None = None) -> LitCancelCLI:

@@ -1,0 +1,97 @@
+"""StepProgressBar: steps and reward on a tiny RL run, outside a terminal (as in CI)."""
+
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import rich
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from lit_cancel import AdditionTask, RLModule, RolloutDataModule
+from lit_cancel.callbacks import RolloutSamplesLogger
+from lit_cancel.cli import LitCancelCLI
+from lit_cancel.progress import StepProgressBar
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+TASK = AdditionTask(num_digits=3, train_size=64, val_size=4, seed=0)
+
+
+class RecordBar(L.Callback):
+    """After each training batch: the step, the batch's rewards, and what the bar shows."""
+
+    def __init__(self, bar: StepProgressBar):
+        self.bar, self.rows, self.validations = bar, [], []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations.append(float(trainer.callback_metrics["val/accuracy"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        task = self.bar.train_progress_bar
+        self.rows.append({
+            "step": trainer.global_step, "rewards": batch.rewards.clone(), "description": task.description,
+            "completed": task.completed, "total": task.total, "metrics": self.bar.get_metrics(trainer, pl_module),
+        })
+
+
+def fit(bar: StepProgressBar, steps: int, accumulate: int = 1, **trainer_options):
+    record = RecordBar(bar)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate, callbacks=[bar, record], **trainer_options,
+    )
+    torch.manual_seed(0)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=40, val_samples=1, optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    trainer.fit(module, datamodule=RolloutDataModule(TASK, prompts_per_round=4, group_size=4, val_batch_size=4))
+    return trainer, record
+
+
+def test_the_bar_counts_steps_and_shows_the_round_reward_and_accuracy_outside_a_terminal():
+    assert not rich.get_console().is_terminal  # pytest captures the output: the same as a CI log
+    bar = StepProgressBar()
+    trainer, record = fit(bar, steps=4, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    rows = record.rows
+    assert trainer.progress_bar_callback is bar and trainer.global_step == 4
+    assert [row["description"] for row in rows] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]
+    assert [(row["completed"], row["total"]) for row in rows] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    for row in rows:
+        # one round per step: the round's mean reward and share of rewarded rollouts are the batch's
+        assert row["metrics"]["reward"] == pytest.approx(float(row["rewards"].mean()))
+        assert row["metrics"]["acc"] == pytest.approx(float((row["rewards"] > 0).float().mean()))
+    assert "val_acc" not in rows[1]["metrics"]  # validation runs after step 2's batch
+    assert rows[2]["metrics"]["val_acc"] == rows[3]["metrics"]["val_acc"] == pytest.approx(record.validations[0])
+
+
+def test_with_accumulation_the_bar_counts_optimizer_steps_not_micro_batches():
+    bar = StepProgressBar(metrics={"r": "rollout/reward_mean"})
+    rows = fit(bar, steps=2, accumulate=2, limit_val_batches=0)[1].rows
+    assert [(row["step"], row["description"], row["completed"]) for row in rows] == [
+        (0, "step 0/2", 0), (1, "step 1/2", 1), (1, "step 1/2", 1), (2, "step 2/2", 2),
+    ]
+    # a round's rollout metrics are logged with its first micro-batch and shown until the next round
+    assert set(rows[1]["metrics"]) == {"r"}
+    assert rows[1]["metrics"]["r"] == rows[0]["metrics"]["r"]
+
+
+def test_without_an_end_the_bar_shows_the_step_alone():
+    bar = StepProgressBar()
+    trainer = L.Trainer(max_steps=-1, max_epochs=-1, logger=False, callbacks=[bar])
+    bar.setup(trainer, RLModule("embedded:tiny-adder"), "fit")
+    assert bar.total_train_batches == float("inf")
+    assert bar.step_description(trainer) == "step 0"
+
+
+def test_bad_metrics_fail_at_construction():
+    with pytest.raises(ValueError, match="StepProgressBar: metrics"):
+        StepProgressBar(metrics={"reward": ""})
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_shipped_config_shows_it_and_enable_progress_bar_false_drops_it(tmp_path, enabled):
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), f"--trainer.enable_progress_bar={str(enabled).lower()}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args)
+    assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar) if enabled else cli.trainer.progress_bar_callback is None
+    assert any(isinstance(c, RolloutSamplesLogger) for c in cli.trainer.callbacks)  # the rest of the list stays

@@ -1,0 +1,114 @@
+"""RolloutSamplesLogger: a tiny RL run's rollouts read back from TensorBoard's event file."""
+
+import re
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugin_util import markdown_to_safe_html
+
+from lit_cancel import AdditionTask, RLModule, RolloutDataModule
+from lit_cancel.callbacks import RolloutSamplesLogger
+from lit_cancel.callbacks.rollout_samples import markdown_cell
+
+TASK = AdditionTask(num_digits=3, train_size=64, val_size=8, seed=0)
+
+
+class CaptureFirstMicroBatches(L.Callback):
+    """The first micro-batch of every optimizer step, by step."""
+
+    def __init__(self):
+        self.batches = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.batches[trainer.global_step] = batch
+
+
+def fit(tmp_path, samples: RolloutSamplesLogger, prompts_per_round: int, accumulate: int, steps: int = 3):
+    capture = CaptureFirstMicroBatches()
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, accumulate_grad_batches=accumulate,
+        callbacks=[samples, capture],
+    )
+    torch.manual_seed(0)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=40, optimizer=partial(torch.optim.AdamW, lr=1e-4))
+    trainer.fit(module, datamodule=RolloutDataModule(TASK, prompts_per_round=prompts_per_round, group_size=4, seed=1))
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    return module, capture.batches, events
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of a Markdown table, cells unescaped."""
+    rows = []
+    for line in text.splitlines()[2:]:
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]
+        rows.append([re.sub(r"\\(.)", r"\1", cell.strip()) for cell in cells])
+    return rows
+
+
+def texts_by_step(events: EventAccumulator) -> dict[int, str]:
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("rollouts/samples/text_summary")}
+
+
+def test_samples_hold_the_step_rollouts_and_sit_at_the_step_of_its_reward_scalar(tmp_path):
+    samples = RolloutSamplesLogger(every_n_steps=2, num_samples=8)
+    # one round of 2 prompts x 4 rollouts per step: the table holds the whole round
+    module, batches, events = fit(tmp_path, samples, prompts_per_round=2, accumulate=1)
+    texts = texts_by_step(events)
+    assert sorted(texts) == samples.logged_steps == [0, 2]
+    reward_scalar = {e.step: e.value for e in events.Scalars("rollout/reward_mean")}
+    for step, text in texts.items():
+        batch, rows = batches[step], table_rows(texts[step])
+        assert len(rows) == 8
+        completions = batch.input_ids[:, batch.prompt_length :].masked_fill(batch.completion_mask == 0, module.tokenizer.pad_token_id)
+        expected = module.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        assert [row[1] for row in rows] == expected
+        for (prompt, completion, reward, advantage), batch_reward, batch_advantage in zip(rows, batch.rewards, batch.advantages):
+            a, b = re.fullmatch(r"(\d{3})\+(\d{3})=", prompt).groups()
+            assert float(reward) == TASK.reward({"answer": str(int(a) + int(b))}, completion) == batch_reward
+            assert float(advantage) == pytest.approx(float(batch_advantage), abs=1e-3)
+        assert {row[2] for row in rows} == {"0", "1"}, "the round needs both rewards to tell them apart"
+        assert reward_scalar[step] == pytest.approx(sum(float(row[2]) for row in rows) / 8)
+
+
+def test_samples_come_from_the_first_micro_batch_of_each_logged_step(tmp_path):
+    samples = RolloutSamplesLogger(every_n_steps=2, num_samples=3)
+    module, batches, events = fit(tmp_path, samples, prompts_per_round=4, accumulate=2)
+    texts = texts_by_step(events)
+    assert sorted(texts) == [0, 2]
+    for step, text in texts.items():
+        batch = batches[step]
+        completions = [module.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                       for ids, mask in zip(batch.input_ids[:3, batch.prompt_length :], batch.completion_mask[:3])]
+        assert [row[1] for row in table_rows(text)] == completions
+
+
+def test_without_tensorboard_it_warns_once_and_writes_nothing(tmp_path):
+    samples = RolloutSamplesLogger(every_n_steps=1)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[samples])
+    with pytest.warns(UserWarning, match="no TensorBoardLogger") as record:
+        trainer.fit(RLModule("embedded:tiny-adder", max_new_tokens=40),
+                    datamodule=RolloutDataModule(TASK, prompts_per_round=2, group_size=4))
+    assert len([w for w in record if "RolloutSamplesLogger" in str(w.message)]) == 1
+    assert samples.logged_steps == []
+
+
+def test_a_cell_renders_its_text_literally_in_tensorboard():
+    text = "7+5+0=12|432 *x_1* [a](b) `c` \\frac{1}{2}\nnext"
+    html = markdown_to_safe_html(f"| a |\n|---|\n| {markdown_cell(text)} |\n")
+    cell = re.search(r"<td>(.*)</td>", html, re.S).group(1)
+    assert cell == "7+5+0=12|432 *x_1* [a](b) `c` \\frac{1}{2}<br>next"
+
+
+@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"num_samples": 0}, {"tag": ""}])
+def test_bad_arguments_fail_at_construction(kwargs):
+    with pytest.raises(ValueError, match="RolloutSamplesLogger"):
+        RolloutSamplesLogger(**kwargs)
