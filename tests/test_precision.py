@@ -6,7 +6,7 @@ from split_step import train
 
 
 def first_step(precision: str, dtype: str | None = None) -> dict:
-    return train("grpo", devices=1, strategy="auto", accumulate=1, steps=1, kl_coef=0.0, precision=precision, dtype=dtype)
+    return train("GRPO", devices=1, strategy="auto", accumulate=1, steps=1, kl_coef=0.0, precision=precision, dtype=dtype)
 
 
 def test_bf16_mixed_gradient_is_close_to_float32():
