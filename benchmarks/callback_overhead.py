@@ -17,7 +17,7 @@ import lightning as L
 
 from lit_cancel.cli import LitCancelCLI
 
-HOOKS = ("on_train_start", "on_train_batch_start", "on_train_batch_end")
+HOOKS = ("on_train_start", "on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
 
 class StepClock(L.Callback):

@@ -1,14 +1,79 @@
 r"""Learning tax: the share of an update's credit left uncancelled on tokens a whole group shares."""
 
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torchmetrics import SumMetric
 from typing_extensions import override
+
+# What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
+# or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
+CONTRACT = {
+    "completion_mask": "[B, C]",  # 1 on completion tokens
+    "credits": "[B, C]",  # -d loss / d logprobs, detached
+    "group_ids": "[B]",  # the group (prompt) of each row
+}
+# the completion tokens: completion_ids, or else input_ids after prompt_length
+COMPLETION_IDS = {"completion_ids": "[B, C]"}
+SEQUENCES = {"prompt_length": "int", "input_ids": "[B, P + C]", "attention_mask": "[B, P + C]"}
+# for the KL on shared contexts
+KL_CONTRACT = {"completion_mask": "[B, C]", "group_ids": "[B]", **SEQUENCES}
+
+
+@runtime_checkable
+class NextTokenLogprobs(Protocol):
+    """The LightningModule method that LearningTaxMonitor calls for the KL, before and after the optimizer step."""
+
+    def next_token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+        """``[N, V]`` log-distribution of the next token after each ``(row, position)`` of ``positions`` (``[N, 2]``)."""
+        ...
+
+
+def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any) -> dict[str, Any]:
+    """Each key of ``contract``, from ``outputs`` first, then from ``batch``, checked against its shape.
+
+    Shapes are written over ``B``, ``C`` and ``P`` (the ``prompt_length``, declared ``"int"``), for
+    example ``"[B, C]"`` or ``"[B, P + C]"``; a symbol takes its size where it first appears.
+    """
+    sizes: dict[str, int] = {}
+    values = {}
+    for key, shape in contract.items():
+        if isinstance(outputs, Mapping) and outputs.get(key) is not None:
+            value, where = outputs[key], f"outputs[{key!r}]"
+        elif isinstance(batch, Mapping):
+            value, where = batch.get(key), f"batch[{key!r}]"
+        else:
+            value, where = getattr(batch, key, None), f"batch.{key}"
+        if value is None:
+            raise ValueError(f"{owner} needs {key!r} ({shape}) in the training step's outputs or the batch; found in neither")
+        if shape == "int":
+            if isinstance(value, Tensor) and value.dim() == 0:
+                value = int(value)
+            if not isinstance(value, int):
+                raise ValueError(f"{owner} needs {where} to be an int, got {type(value).__name__}")
+            sizes["P"] = value
+        else:
+            if not isinstance(value, Tensor):
+                raise ValueError(f"{owner} needs {where} to be a tensor of shape {shape}, got {type(value).__name__}")
+            dims = shape[1:-1].split(", ")
+            if value.dim() == len(dims):
+                for dim, size in zip(dims, value.shape):
+                    if dim.isidentifier():
+                        sizes.setdefault(dim, size)
+            expected = [sum(sizes[p] for p in dim.split(" + ")) if all(p in sizes for p in dim.split(" + ")) else dim for dim in dims]
+            if list(value.shape) != expected:
+                raise ValueError(
+                    f"{owner} needs {where} of shape {shape} = [{', '.join(map(str, expected))}], got [{', '.join(map(str, value.shape))}]"
+                )
+        values[key] = value
+    return values
 
 
 def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
@@ -29,6 +94,88 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
     return prefix[group]
 
 
+@contextmanager
+def measuring(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
+    """An extra forward pass of the policy: no grad, every submodule in eval mode (each restored after),
+    the trainer's precision context. Dropout is off, so the pass measures the policy, not noise."""
+    modes = [(module, module.training) for module in pl_module.modules()]
+    pl_module.eval()
+    try:
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+class StepSnapshot:
+    """The values that the parameters an optimizer trains had before its step.
+
+    Taken in ``on_before_optimizer_step`` (one copy of the trainable parameters: cheap under LoRA);
+    :meth:`before_step` swaps them in for a pass of the policy as it was, and back.
+    """
+
+    def __init__(self) -> None:
+        self.parameters: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def add(self, optimizer: Any) -> None:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.requires_grad:
+                    self.parameters.append(parameter)
+                    self.values.append(parameter.detach().clone())
+
+    @contextmanager
+    def before_step(self, pl_module: "pl.LightningModule") -> Iterator[None]:
+        self._swap(pl_module)
+        try:
+            yield
+        finally:
+            self._swap(pl_module)
+
+    def _swap(self, pl_module: "pl.LightningModule") -> None:
+        with torch.no_grad():
+            for parameter, value in zip(self.parameters, self.values):
+                current = parameter.detach().clone()
+                parameter.copy_(value)
+                value.copy_(current)
+        # FSDP2 keeps a root module's gathered parameters after a forward without backward: drop them,
+        # so that the next pass gathers the swapped values
+        for module in pl_module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def uncancelled_credit(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(uncancelled, total)``: ``sum_groups sum_shared |sum_i c_it|`` and ``sum |c_it|``."""
+    shared = shared_positions(tokens, mask, group_ids)
+    _, group = torch.unique(group_ids, return_inverse=True)
+    per_group = torch.zeros(int(group.max()) + 1, credits.shape[1], dtype=credits.dtype, device=credits.device)
+    per_group.index_add_(0, group, credits * shared)
+    return per_group.abs().sum(), (credits * mask).abs().sum()
+
+
+def shared_contexts(tokens: Tensor, mask: Tensor, group_ids: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
+    """``(rows, positions)``: one representative row per group, and the ``[N, 2]`` ``(row in rows, position)``
+    of the sequence positions that predict its shared completion tokens.
+
+    A row with no shared context stands in when the batch has none, so that every process runs the
+    same passes (sharded models gather parameters in each).
+    """
+    shared = shared_positions(tokens, mask, group_ids)
+    _, group = torch.unique(group_ids, return_inverse=True)
+    index = torch.arange(len(group), device=group.device)
+    first_row = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, index, reduce="amin")
+    first = torch.zeros(len(group), dtype=torch.bool, device=group.device).index_fill_(0, first_row, True)
+    rows, columns = torch.nonzero(shared & first.unsqueeze(1), as_tuple=True)
+    if len(rows) == 0:
+        return index[:1], torch.zeros(0, 2, dtype=torch.long, device=group.device)
+    kept, row_in_kept = torch.unique(rows, return_inverse=True)
+    # the distribution of completion token t is predicted at sequence position P + t - 1
+    return kept, torch.stack([row_in_kept, columns + prompt_length - 1], 1)
+
+
 class LearningTaxMonitor(Callback):
     r"""Measures the reward-irrelevant share of each update and the drift it causes on shared contexts.
 
@@ -40,19 +187,33 @@ class LearningTaxMonitor(Callback):
 
     0 for an exchangeable objective on intact groups. Every ``kl_every_n_steps`` steps it also
     measures the drift itself: the mean KL between the next-token distributions before and after the
-    optimizer step, at the shared contexts (one extra forward pass before and one after the step).
+    optimizer step, at the shared contexts. Both passes run after the step, from the step's own
+    inputs: in ``on_before_optimizer_step`` it copies the trainable parameters, and in
+    ``on_train_batch_end`` it runs the new policy, swaps the copy in, runs the old one and swaps
+    back, without grad, in eval mode and in the trainer's precision context (a step that changes
+    nothing gives a KL of exactly 0). Only the members of a group in the same micro-batch are compared.
 
-    Contract: the ``training_step`` returns a dict with ``credits``, ``completion_ids`` and
-    ``completion_mask`` (``[B, C]``) and ``group_ids`` (``[B]``). For the KL, the batch also has
-    (as attributes or keys) ``input_ids``, ``attention_mask`` (``[B, P + C]``, completions after
-    ``prompt_length`` prompt positions), ``prompt_length``, ``completion_mask`` and ``group_ids``,
-    and the LightningModule has ``next_token_logprobs(input_ids, attention_mask, positions) -> [N, V]``
-    (``positions`` is ``[N, 2]`` of ``(row, position)``). Only the members of a group that are in
-    the same micro-batch are compared.
+    Contract: each key is read from the training step's outputs first, then from the batch (a
+    Mapping, or an object with the attribute); ``B`` rows, ``P`` prompt positions, ``C``
+    completion positions:
 
-    Logged: ``health/learning_tax`` every ``log_every_n_steps`` steps (summed over the step's
-    micro-batches and all processes), ``health/shared_kl`` every ``kl_every_n_steps`` steps (when
-    the step is a single micro-batch). When the tax exceeds ``max_tax`` it warns or stops.
+    * ``completion_mask``, ``credits`` ``[B, C]`` (``-d loss / d logprobs``, detached), ``group_ids``
+      ``[B]`` (``CONTRACT``);
+    * the completion tokens: ``completion_ids`` ``[B, C]``, or else ``input_ids`` ``[B, P + C]``
+      after ``prompt_length`` ``P`` (an int);
+    * for the KL, also ``input_ids`` and ``attention_mask`` ``[B, P + C]`` and ``prompt_length``
+      (``KL_CONTRACT``), and the LightningModule method
+      ``next_token_logprobs(input_ids, attention_mask, positions) -> [N, V]`` (``NextTokenLogprobs``;
+      ``positions`` is ``[N, 2]`` of ``(row, position)``).
+
+    The method is checked in ``setup``, the keys and shapes whenever they are read; a mistake fails
+    with one line naming the key, the expected and the actual shape.
+
+    Logged, reduced over the step's micro-batches and all processes, straight to the trainer's
+    loggers at the step they measure: ``health/learning_tax`` every ``log_every_n_steps`` steps and
+    ``health/shared_kl`` every ``kl_every_n_steps`` steps (steps 0, n, 2n, ...). When the tax
+    exceeds ``max_tax`` it warns once (again only after it has come back under) or stops the
+    trainer on every process.
 
     Args:
         max_tax: alert above this tax.
@@ -85,65 +246,115 @@ class LearningTaxMonitor(Callback):
         self.log_every_n_steps, self.kl_every_n_steps = log_every_n_steps, kl_every_n_steps
         self.last_tax: float | None = None
         self.last_shared_kl: float | None = None
-        self.alerted = False
+        self.taxed = False
+        self.alert_steps: list[int] = []
+        self._step = 0
         self._uncancelled, self._total = SumMetric(), SumMetric()
-        self._before: tuple[Tensor, Tensor] | None = None
+        self._kl_sum, self._kl_count = SumMetric(), SumMetric()
+        self._contexts: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._snapshot: StepSnapshot | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            max_tax=self.max_tax, action=self.action, log_every_n_steps=self.log_every_n_steps, kl_every_n_steps=self.kl_every_n_steps
+        )
+
+    def _measures_kl(self, step: int) -> bool:
+        return self.kl_every_n_steps > 0 and step % self.kl_every_n_steps == 0
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._uncancelled, self._total = self._uncancelled.to(pl_module.device), self._total.to(pl_module.device)
+        if self.kl_every_n_steps and not isinstance(pl_module, NextTokenLogprobs):
+            raise TypeError(
+                f"LearningTaxMonitor needs {type(pl_module).__name__}.next_token_logprobs(input_ids, attention_mask, positions) "
+                f"-> [N, V] for the KL; it has none (kl_every_n_steps=0 turns the KL off)"
+            )
+        for name in ("_uncancelled", "_total", "_kl_sum", "_kl_count"):
+            setattr(self, name, getattr(self, name).to(pl_module.device))
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        self._before = None
-        if not self.kl_every_n_steps or trainer.accumulate_grad_batches > 1 or trainer.global_step % self.kl_every_n_steps:
-            return
-        field = (lambda name: batch[name]) if isinstance(batch, dict) else (lambda name: getattr(batch, name))
-        prompt_length = field("prompt_length")
-        tokens = field("input_ids")[:, prompt_length:]
-        shared = shared_positions(tokens, field("completion_mask"), field("group_ids"))
-        # one representative row per group: the shared contexts are identical across its members
-        _, group = torch.unique(field("group_ids"), return_inverse=True)
-        index = torch.arange(len(group), device=group.device)
-        first_row = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, index, reduce="amin")
-        first = torch.zeros(len(group), dtype=torch.bool, device=group.device).index_fill_(0, first_row, True)
-        rows, columns = torch.nonzero(shared & first.unsqueeze(1), as_tuple=True)
-        if len(rows) == 0:
-            return
-        # only the representative rows go through the model; the distribution after completion
-        # position t is predicted at sequence position P + t - 1
-        kept, row_in_kept = torch.unique(rows, return_inverse=True)
-        positions = torch.stack([row_in_kept, columns + prompt_length - 1], 1)
-        inputs = (field("input_ids")[kept], field("attention_mask")[kept], positions)
-        self._before = (inputs, pl_module.next_token_logprobs(*inputs))
+        self._step = trainer.global_step
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if self._measures_kl(trainer.global_step):
+            self._snapshot = self._snapshot or StepSnapshot()
+            self._snapshot.add(optimizer)
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
-        completes_step = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        if self._before is not None and completes_step:
-            inputs, before = self._before
-            after = pl_module.next_token_logprobs(*inputs)
-            self.last_shared_kl = float((before.exp() * (before - after)).sum(-1).mean())
-            pl_module.log("health/shared_kl", self.last_shared_kl)
-            self._before = None
-        if (trainer.global_step - completes_step) % self.log_every_n_steps:
-            return
-        credits = outputs["credits"].detach()
-        shared = shared_positions(outputs["completion_ids"], outputs["completion_mask"], outputs["group_ids"])
-        _, group = torch.unique(outputs["group_ids"], return_inverse=True)
-        per_group = torch.zeros(int(group.max()) + 1, credits.shape[1], dtype=credits.dtype, device=credits.device)
-        per_group.index_add_(0, group, credits * shared)
-        self._uncancelled.update(per_group.abs().sum())
-        self._total.update(credits.abs().sum())
-        if not completes_step:
-            return
+        completes_step = trainer.global_step > self._step
+        if self._measures_kl(self._step):
+            fields = read_contract("LearningTaxMonitor", KL_CONTRACT, outputs, batch)
+            prompt_length = fields["prompt_length"]
+            tokens = fields["input_ids"][:, prompt_length:]
+            rows, positions = shared_contexts(tokens, fields["completion_mask"], fields["group_ids"], prompt_length)
+            self._contexts.append((fields["input_ids"][rows], fields["attention_mask"][rows], positions))
+            if completes_step:
+                self._measure_kl(trainer, pl_module)
+        if self._step % self.log_every_n_steps == 0:
+            self._update_tax(outputs, batch)
+            if completes_step:
+                self._log_tax(trainer)
+
+    def _update_tax(self, outputs: Any, batch: Any) -> None:
+        has_ids = (isinstance(outputs, Mapping) and outputs.get("completion_ids") is not None) or (
+            batch.get("completion_ids") if isinstance(batch, Mapping) else getattr(batch, "completion_ids", None)
+        ) is not None
+        fields = read_contract("LearningTaxMonitor", {**CONTRACT, **(COMPLETION_IDS if has_ids else SEQUENCES)}, outputs, batch)
+        tokens = fields["completion_ids"] if has_ids else fields["input_ids"][:, fields["prompt_length"] :]
+        uncancelled, total = uncancelled_credit(fields["credits"].detach(), tokens, fields["completion_mask"], fields["group_ids"])
+        self._uncancelled.update(uncancelled)
+        self._total.update(total)
+
+    def _log_tax(self, trainer: "pl.Trainer") -> None:
         total = float(self._total.compute())
         self.last_tax = float(self._uncancelled.compute()) / total if total > 0 else 0.0
         self._uncancelled.reset()
         self._total.reset()
-        pl_module.log("health/learning_tax", self.last_tax)
-        if self.last_tax > self.max_tax:
-            self.alerted = True
-            rank_zero_warn(f"LearningTaxMonitor at step {trainer.global_step}: learning tax {self.last_tax:.3f} > max_tax={self.max_tax}")
-            if self.action == "stop":
-                trainer.should_stop = True
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"health/learning_tax": self.last_tax}, step=self._step)
+        taxed = trainer.strategy.reduce_boolean_decision(self.last_tax > self.max_tax, all=False)
+        if taxed and not self.taxed:
+            self.alert_steps.append(self._step)
+            where = "" if self.last_tax > self.max_tax else " on another process"
+            rank_zero_warn(f"LearningTaxMonitor at step {self._step}: learning tax{where} > max_tax={self.max_tax} (here {self.last_tax:.3f})")
+        self.taxed = taxed
+        if taxed and self.action == "stop":
+            trainer.should_stop = True
+
+    def _measure_kl(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        contexts, snapshot = self._contexts, self._snapshot
+        self._contexts, self._snapshot = [], None
+        if snapshot is None:
+            raise RuntimeError(f"LearningTaxMonitor saw no on_before_optimizer_step for step {self._step}; it needs automatic optimization")
+        with measuring(trainer, pl_module):
+            after = [self._next_token_logprobs(pl_module, *context) for context in contexts]
+            with snapshot.before_step(pl_module):
+                before = [self._next_token_logprobs(pl_module, *context) for context in contexts]
+        for old, new in zip(before, after):
+            old, new = old.float(), new.float()
+            probability = old.exp()
+            # tokens the old policy cannot produce add nothing (and would give 0 * inf)
+            self._kl_sum.update(torch.where(probability > 0, probability * (old - new), 0.0).sum())
+            self._kl_count.update(len(old))
+        count = float(self._kl_count.compute())
+        if count > 0:
+            self.last_shared_kl = float(self._kl_sum.compute()) / count
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"health/shared_kl": self.last_shared_kl}, step=self._step)
+        self._kl_sum.reset()
+        self._kl_count.reset()
+
+    @staticmethod
+    def _next_token_logprobs(pl_module: "pl.LightningModule", input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+        logprobs = pl_module.next_token_logprobs(input_ids, attention_mask, positions)
+        if not isinstance(logprobs, Tensor) or logprobs.dim() != 2 or len(logprobs) != len(positions):
+            got = list(logprobs.shape) if isinstance(logprobs, Tensor) else type(logprobs).__name__
+            raise ValueError(f"LearningTaxMonitor needs next_token_logprobs(...) to return shape [N, V] with N = {len(positions)}, got {got}")
+        return logprobs

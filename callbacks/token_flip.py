@@ -1,16 +1,79 @@
 r"""Token flipping: which tokens one optimizer step boosts and which it suppresses."""
 
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torchmetrics import SumMetric
 from typing_extensions import override
 
 SPLITS = ("positive", "negative", "shared", "specific")
+
+# What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
+# or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
+CONTRACT = {
+    "completion_mask": "[B, C]",  # 1 on completion tokens
+    "prompt_length": "int",  # P
+    "input_ids": "[B, P + C]",  # prompts, then completions
+    "attention_mask": "[B, P + C]",  # 0 on padding
+    "advantages": "[B]",
+    "group_ids": "[B]",  # the group (prompt) of each row
+}
+
+
+@runtime_checkable
+class TokenLogprobs(Protocol):
+    """The LightningModule method that TokenFlipMonitor calls, before and after the optimizer step."""
+
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:
+        """``[B, C]`` log-probabilities of the completion tokens ``input_ids[:, prompt_length:]``."""
+        ...
+
+
+def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any) -> dict[str, Any]:
+    """Each key of ``contract``, from ``outputs`` first, then from ``batch``, checked against its shape.
+
+    Shapes are written over ``B``, ``C`` and ``P`` (the ``prompt_length``, declared ``"int"``), for
+    example ``"[B, C]"`` or ``"[B, P + C]"``; a symbol takes its size where it first appears.
+    """
+    sizes: dict[str, int] = {}
+    values = {}
+    for key, shape in contract.items():
+        if isinstance(outputs, Mapping) and outputs.get(key) is not None:
+            value, where = outputs[key], f"outputs[{key!r}]"
+        elif isinstance(batch, Mapping):
+            value, where = batch.get(key), f"batch[{key!r}]"
+        else:
+            value, where = getattr(batch, key, None), f"batch.{key}"
+        if value is None:
+            raise ValueError(f"{owner} needs {key!r} ({shape}) in the training step's outputs or the batch; found in neither")
+        if shape == "int":
+            if isinstance(value, Tensor) and value.dim() == 0:
+                value = int(value)
+            if not isinstance(value, int):
+                raise ValueError(f"{owner} needs {where} to be an int, got {type(value).__name__}")
+            sizes["P"] = value
+        else:
+            if not isinstance(value, Tensor):
+                raise ValueError(f"{owner} needs {where} to be a tensor of shape {shape}, got {type(value).__name__}")
+            dims = shape[1:-1].split(", ")
+            if value.dim() == len(dims):
+                for dim, size in zip(dims, value.shape):
+                    if dim.isidentifier():
+                        sizes.setdefault(dim, size)
+            expected = [sum(sizes[p] for p in dim.split(" + ")) if all(p in sizes for p in dim.split(" + ")) else dim for dim in dims]
+            if list(value.shape) != expected:
+                raise ValueError(
+                    f"{owner} needs {where} of shape {shape} = [{', '.join(map(str, expected))}], got [{', '.join(map(str, value.shape))}]"
+                )
+        values[key] = value
+    return values
 
 
 def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
@@ -31,29 +94,97 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
     return prefix[group]
 
 
+@contextmanager
+def measuring(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
+    """An extra forward pass of the policy: no grad, every submodule in eval mode (each restored after),
+    the trainer's precision context. Dropout is off, so the pass measures the policy, not noise."""
+    modes = [(module, module.training) for module in pl_module.modules()]
+    pl_module.eval()
+    try:
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+class StepSnapshot:
+    """The values that the parameters an optimizer trains had before its step.
+
+    Taken in ``on_before_optimizer_step`` (one copy of the trainable parameters: cheap under LoRA);
+    :meth:`before_step` swaps them in for a pass of the policy as it was, and back.
+    """
+
+    def __init__(self) -> None:
+        self.parameters: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def add(self, optimizer: Any) -> None:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.requires_grad:
+                    self.parameters.append(parameter)
+                    self.values.append(parameter.detach().clone())
+
+    @contextmanager
+    def before_step(self, pl_module: "pl.LightningModule") -> Iterator[None]:
+        self._swap(pl_module)
+        try:
+            yield
+        finally:
+            self._swap(pl_module)
+
+    def _swap(self, pl_module: "pl.LightningModule") -> None:
+        with torch.no_grad():
+            for parameter, value in zip(self.parameters, self.values):
+                current = parameter.detach().clone()
+                parameter.copy_(value)
+                value.copy_(current)
+        # FSDP2 keeps a root module's gathered parameters after a forward without backward: drop them,
+        # so that the next pass gathers the swapped values
+        for module in pl_module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 class TokenFlipMonitor(Callback):
     r"""Fractions of tokens whose log-probability one optimizer step raises or lowers.
 
-    For the completion tokens of a micro-batch, ``delta = logp_after - logp_before`` across the
-    optimizer step. It logs the fraction boosted (``delta > 0``) and suppressed (``delta < 0``),
-    separately for positive (``A > 0``) and negative (``A < 0``) rollouts and for tokens shared
-    by their whole group versus rollout-specific ones, and a histogram of ``delta`` (TensorBoard).
-    Critic-free RL flips tokens in both directions in positive and negative rollouts alike; the
-    split by shared and specific tokens shows where the reward-irrelevant movement is.
+    For the completion tokens of an optimizer step (all its micro-batches),
+    ``delta = logp_after - logp_before`` across the step. It logs the fraction boosted
+    (``delta > 0``) and suppressed (``delta < 0``), separately for positive (``A > 0``) and
+    negative (``A < 0``) rollouts and for tokens shared by their whole group versus
+    rollout-specific ones, and a histogram of ``delta`` (TensorBoard). Critic-free RL flips tokens
+    in both directions in positive and negative rollouts alike; the split by shared and specific
+    tokens shows where the reward-irrelevant movement is.
 
-    Contract: the ``training_step`` returns a dict with ``logprobs`` (``[B, C]``, the log-probs of
-    the training forward pass, before the step), ``completion_ids`` and ``completion_mask``
-    (``[B, C]``), ``advantages`` and ``group_ids`` (``[B]``), ``input_ids`` and ``attention_mask``
-    (``[B, P + C]``) and ``prompt_length``; the LightningModule has
-    ``token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]`` for the pass after the
-    step. Measured every ``every_n_steps`` steps whose optimizer step is a single micro-batch.
+    Both passes run after the step, from the step's own inputs: in ``on_before_optimizer_step`` it
+    copies the trainable parameters, and in ``on_train_batch_end`` it scores the step's tokens with
+    the new parameters, swaps the copy in, scores them again and swaps back. Both passes run without
+    grad, in eval mode and in the trainer's precision context, so a step that changes nothing
+    (learning rate 0) gives ``delta = 0`` exactly, dropout or not.
 
-    Logged: ``health/flip_boosted_{split}`` and ``health/flip_suppressed_{split}`` for each split
-    in ``positive, negative, shared, specific``, ``health/flip_mean_abs_change``. When the mean
-    ``|delta|`` exceeds ``max_mean_abs_change`` it warns or stops.
+    Contract (``CONTRACT``): each key is read from the training step's outputs first, then from the
+    batch (a Mapping, or an object with the attribute); ``B`` rows, ``P`` prompt positions,
+    ``C`` completion positions:
+
+    * ``completion_mask`` ``[B, C]``: 1 on completion tokens;
+    * ``prompt_length``: ``P``, an int;
+    * ``input_ids`` and ``attention_mask`` ``[B, P + C]``: prompts (left-padded), then completions;
+    * ``advantages`` ``[B]``; ``group_ids`` ``[B]``: the group (prompt) of each row.
+
+    The LightningModule has ``token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]``
+    (``TokenLogprobs``). The method is checked in ``setup``, the keys and shapes whenever they are
+    read; a mistake fails with one line naming the key, the expected and the actual shape.
+
+    Logged every ``every_n_steps`` optimizer steps (steps 0, n, 2n, ...), reduced over all
+    processes, straight to the trainer's loggers at that step: ``health/flip_boosted_{split}`` and
+    ``health/flip_suppressed_{split}`` for each split in ``positive, negative, shared, specific``,
+    and ``health/flip_mean_abs_change``. When the mean ``|delta|`` exceeds ``max_mean_abs_change``
+    it warns once (again only after it has come back under), or stops the trainer on every process.
 
     Args:
-        every_n_steps: how often to measure, in optimizer steps (one extra forward pass each time).
+        every_n_steps: how often to measure, in optimizer steps (two extra forward passes each time).
         max_mean_abs_change: alert above this mean absolute change of token log-probs in one step.
         action: ``"warn"`` or ``"stop"``.
         histogram: also log a histogram of ``delta`` when the logger supports it.
@@ -80,33 +211,71 @@ class TokenFlipMonitor(Callback):
         self.every_n_steps, self.max_mean_abs_change = every_n_steps, max_mean_abs_change
         self.action, self.histogram = action, histogram
         self.last: dict[str, float] = {}
-        self.alerted = False
+        self.flipping = False
+        self.alert_steps: list[int] = []
+        self._step = 0
+        self._micro_batches: list[dict[str, Any]] = []
+        self._snapshot: StepSnapshot | None = None
         self._counts = {name: SumMetric() for name in self._count_names()}
 
     @staticmethod
     def _count_names() -> list[str]:
         return ["abs_change", "tokens"] + [f"{kind}_{split}" for split in SPLITS for kind in ("boosted", "suppressed", "all")]
 
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, max_mean_abs_change=self.max_mean_abs_change, action=self.action)
+
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if not isinstance(pl_module, TokenLogprobs):
+            raise TypeError(
+                f"TokenFlipMonitor needs {type(pl_module).__name__}.token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]; it has none"
+            )
         self._counts = {name: metric.to(pl_module.device) for name, metric in self._counts.items()}
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            self._snapshot = self._snapshot or StepSnapshot()
+            self._snapshot.add(optimizer)
+
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.accumulate_grad_batches > 1 or (trainer.global_step - 1) % self.every_n_steps:
+        if self._step % self.every_n_steps:
             return
-        mask = outputs["completion_mask"].bool()
-        after = pl_module.token_logprobs(outputs["input_ids"], outputs["attention_mask"], outputs["prompt_length"])
-        delta = (after - outputs["logprobs"]).masked_fill(~mask, 0.0)
-        shared = shared_positions(outputs["completion_ids"], outputs["completion_mask"], outputs["group_ids"])
-        advantages = outputs["advantages"].unsqueeze(1)
-        splits = {"positive": mask & (advantages > 0), "negative": mask & (advantages < 0), "shared": mask & shared, "specific": mask & ~shared}
-        self._counts["abs_change"].update(delta.abs().sum())
-        self._counts["tokens"].update(mask.sum())
-        for split, where in splits.items():
-            self._counts[f"boosted_{split}"].update((where & (delta > 0)).sum())
-            self._counts[f"suppressed_{split}"].update((where & (delta < 0)).sum())
-            self._counts[f"all_{split}"].update(where.sum())
+        self._micro_batches.append(read_contract("TokenFlipMonitor", CONTRACT, outputs, batch))
+        if trainer.global_step == self._step:  # a micro-batch that did not complete the optimizer step
+            return
+        micro_batches, snapshot = self._micro_batches, self._snapshot
+        self._micro_batches, self._snapshot = [], None
+        if snapshot is None:
+            raise RuntimeError(f"TokenFlipMonitor saw no on_before_optimizer_step for step {self._step}; it needs automatic optimization")
+        arguments = [(fields["input_ids"], fields["attention_mask"], fields["prompt_length"]) for fields in micro_batches]
+        with measuring(trainer, pl_module):
+            after = [self._token_logprobs(pl_module, *args) for args in arguments]
+            with snapshot.before_step(pl_module):
+                before = [self._token_logprobs(pl_module, *args) for args in arguments]
+        deltas = []
+        for fields, new, old in zip(micro_batches, after, before):
+            mask = fields["completion_mask"].bool()
+            delta = (new.float() - old.float()).masked_fill(~mask, 0.0)
+            completion_ids = fields["input_ids"][:, fields["prompt_length"] :]
+            shared = shared_positions(completion_ids, mask, fields["group_ids"])
+            advantages = fields["advantages"].unsqueeze(1)
+            splits = {"positive": mask & (advantages > 0), "negative": mask & (advantages < 0), "shared": mask & shared, "specific": mask & ~shared}
+            self._counts["abs_change"].update(delta.abs().sum())
+            self._counts["tokens"].update(mask.sum())
+            for split, where in splits.items():
+                self._counts[f"boosted_{split}"].update((where & (delta > 0)).sum())
+                self._counts[f"suppressed_{split}"].update((where & (delta < 0)).sum())
+                self._counts[f"all_{split}"].update(where.sum())
+            deltas.append(delta[mask])
         totals = {name: float(metric.compute()) for name, metric in self._counts.items()}
         for metric in self._counts.values():
             metric.reset()
@@ -115,16 +284,28 @@ class TokenFlipMonitor(Callback):
             if totals[f"all_{split}"] > 0:
                 self.last[f"boosted_{split}"] = totals[f"boosted_{split}"] / totals[f"all_{split}"]
                 self.last[f"suppressed_{split}"] = totals[f"suppressed_{split}"] / totals[f"all_{split}"]
-        for name, value in self.last.items():
-            pl_module.log(f"health/flip_{name}", value)
-        experiment = getattr(trainer.logger, "experiment", None)
-        if self.histogram and trainer.is_global_zero and hasattr(experiment, "add_histogram"):
-            experiment.add_histogram("health/flip_delta", delta[mask].float().cpu(), trainer.global_step)
-        if self.last["mean_abs_change"] > self.max_mean_abs_change:
-            self.alerted = True
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"health/flip_{name}": value for name, value in self.last.items()}, step=self._step)
+                experiment = getattr(logger, "experiment", None)
+                if self.histogram and hasattr(experiment, "add_histogram"):
+                    experiment.add_histogram("health/flip_delta", torch.cat(deltas).cpu(), self._step)
+        flipping = trainer.strategy.reduce_boolean_decision(self.last["mean_abs_change"] > self.max_mean_abs_change, all=False)
+        if flipping and not self.flipping:
+            self.alert_steps.append(self._step)
             rank_zero_warn(
-                f"TokenFlipMonitor at step {trainer.global_step}: mean |delta logp| {self.last['mean_abs_change']:.3g} "
+                f"TokenFlipMonitor at step {self._step}: mean |delta logp| {self.last['mean_abs_change']:.3g} "
                 f"> max_mean_abs_change={self.max_mean_abs_change}"
             )
-            if self.action == "stop":
-                trainer.should_stop = True
+        self.flipping = flipping
+        if flipping and self.action == "stop":
+            trainer.should_stop = True
+
+    @staticmethod
+    def _token_logprobs(pl_module: "pl.LightningModule", input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> Tensor:
+        logprobs = pl_module.token_logprobs(input_ids, attention_mask, prompt_length)
+        expected = [input_ids.shape[0], input_ids.shape[1] - prompt_length]
+        if not isinstance(logprobs, Tensor) or list(logprobs.shape) != expected:
+            got = list(logprobs.shape) if isinstance(logprobs, Tensor) else type(logprobs).__name__
+            raise ValueError(f"TokenFlipMonitor needs token_logprobs(...) to return shape [B, C] = {expected}, got {got}")
+        return logprobs

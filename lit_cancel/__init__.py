@@ -1,66 +1,74 @@
-"""lit_cancel: critic-free RL fine-tuning of language models whose token gradients cancel within a group."""
+"""lit_cancel: critic-free RL fine-tuning of language models whose token gradients cancel within a group.
 
-from lit_cancel.advantages import BatchNormalised, GroupNormalised, LeaveOneOut, MeanCentred
-from lit_cancel.batch import RolloutBatch
-from lit_cancel.clipping import AsymmetricClip, DualClip, NoClip, SymmetricClip
-from lit_cancel.data import RolloutDataModule, TaskDataModule
-from lit_cancel.rollouts import RewardError
-from lit_cancel.group_transforms import AdvOrthogonal, MinReplace
-from lit_cancel.lora import LoRA
-from lit_cancel.module import Generation, PolicyModule, RLModule
-from lit_cancel.normalisers import ConstantLength, SequenceMean, TokenMean
-from lit_cancel.objectives import Objective, ObjectiveOutput, PolicyGradient
-from lit_cancel.plans import MiniBatchPlan, QueryPreserved, RewardBalanced, Shuffled
-from lit_cancel.presets import DAPO, GRPO, GSPO, PRESETS, RLOO, DFPOMin, DFPOOrth, DrGRPO
-from lit_cancel.progress import StepProgressBar
-from lit_cancel.rewards import MathVerifyReward
-from lit_cancel.sft import SFTDataModule, SFTModule
-from lit_cancel.sharding import ModelRoot
-from lit_cancel.tasks import AdditionTask, MathWordTask, Task
+Names are imported on first use (PEP 562), so ``from lit_cancel.callbacks import ...`` loads the
+callbacks alone, without the models, peft or the datamodules.
+"""
 
-__all__ = [
-    "AdditionTask",
-    "AdvOrthogonal",
-    "AsymmetricClip",
-    "BatchNormalised",
-    "ConstantLength",
-    "DAPO",
-    "DFPOMin",
-    "DFPOOrth",
-    "DrGRPO",
-    "DualClip",
-    "Generation",
-    "GroupNormalised",
-    "GRPO",
-    "GSPO",
-    "LeaveOneOut",
-    "LoRA",
-    "MathVerifyReward",
-    "MathWordTask",
-    "MeanCentred",
-    "MiniBatchPlan",
-    "MinReplace",
-    "ModelRoot",
-    "NoClip",
-    "Objective",
-    "ObjectiveOutput",
-    "PolicyGradient",
-    "PolicyModule",
-    "PRESETS",
-    "QueryPreserved",
-    "RewardBalanced",
-    "RewardError",
-    "RLModule",
-    "RLOO",
-    "RolloutBatch",
-    "RolloutDataModule",
-    "SequenceMean",
-    "SFTDataModule",
-    "SFTModule",
-    "Shuffled",
-    "StepProgressBar",
-    "SymmetricClip",
-    "Task",
-    "TaskDataModule",
-    "TokenMean",
-]
+import importlib
+from typing import Any
+
+# each public name and the module that defines it
+_EXPORTS = {
+    "AdvantageEstimator": "lit_cancel.advantages",
+    "BatchNormalised": "lit_cancel.advantages",
+    "GroupNormalised": "lit_cancel.advantages",
+    "LeaveOneOut": "lit_cancel.advantages",
+    "MeanCentred": "lit_cancel.advantages",
+    "RolloutBatch": "lit_cancel.batch",
+    "AsymmetricClip": "lit_cancel.clipping",
+    "Clip": "lit_cancel.clipping",
+    "DualClip": "lit_cancel.clipping",
+    "NoClip": "lit_cancel.clipping",
+    "SymmetricClip": "lit_cancel.clipping",
+    "RewardError": "lit_cancel.rollouts",
+    "RolloutDataModule": "lit_cancel.data",
+    "TaskDataModule": "lit_cancel.data",
+    "AdvOrthogonal": "lit_cancel.group_transforms",
+    "GroupTransform": "lit_cancel.group_transforms",
+    "MinReplace": "lit_cancel.group_transforms",
+    "LoRA": "lit_cancel.lora",
+    "Generation": "lit_cancel.module",
+    "PolicyModule": "lit_cancel.module",
+    "RLModule": "lit_cancel.module",
+    "ConstantLength": "lit_cancel.normalisers",
+    "Normaliser": "lit_cancel.normalisers",
+    "SequenceMean": "lit_cancel.normalisers",
+    "TokenMean": "lit_cancel.normalisers",
+    "Objective": "lit_cancel.objectives",
+    "ObjectiveOutput": "lit_cancel.objectives",
+    "PolicyGradient": "lit_cancel.objectives",
+    "MiniBatchPlan": "lit_cancel.plans",
+    "QueryPreserved": "lit_cancel.plans",
+    "RewardBalanced": "lit_cancel.plans",
+    "Shuffled": "lit_cancel.plans",
+    "DAPO": "lit_cancel.presets",
+    "DFPOMin": "lit_cancel.presets",
+    "DFPOOrth": "lit_cancel.presets",
+    "DrGRPO": "lit_cancel.presets",
+    "GRPO": "lit_cancel.presets",
+    "GSPO": "lit_cancel.presets",
+    "PRESETS": "lit_cancel.presets",
+    "RLOO": "lit_cancel.presets",
+    "SFTDataModule": "lit_cancel.sft",
+    "SFTModule": "lit_cancel.sft",
+    "ModelRoot": "lit_cancel.sharding",
+    "StepProgressBar": "lit_cancel.progress",
+    "MathVerifyReward": "lit_cancel.rewards",
+    "AdditionTask": "lit_cancel.tasks",
+    "MathWordTask": "lit_cancel.tasks",
+    "Task": "lit_cancel.tasks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lit_cancel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

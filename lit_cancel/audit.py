@@ -6,6 +6,11 @@ update's absolute credit that lands, uncancelled, on positions every member of a
 
     tax = sum_groups sum_shared |sum_i c_it| / sum_all |c_it|
 
+The credits are the loss's own, ``-d loss / d logprobs`` from autograd; the audit also checks that
+the credits the objective reports (``ObjectiveOutput.credits``, which instruments read) match them.
+The tax of the policy-gradient part (the objective with ``kl_coef`` and ``entropy_coef`` at 0) is
+reported apart from the total: a KL or entropy term is a regulariser, not meant to cancel.
+
 At a shared position every member has the same context and token, so the same log-probability
 and ratio; the scenarios respect that. Ratios on members' own tokens vary; the shared positions'
 common ratio stays inside a 0.2 clip range, where every PPO-style clip treats members alike (outside
@@ -13,17 +18,39 @@ it, any clip selects one sign of advantage: see the tests).
 """
 
 import argparse
+import copy
 import importlib
+import os
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.callbacks.learning_tax import shared_positions
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import PRESETS
+
+# the names presets had before they took their class names
+OLD_NAMES = {"grpo": "GRPO", "dr_grpo": "DrGRPO", "dapo": "DAPO", "gspo": "GSPO", "dfpo_min": "DFPOMin", "dfpo_orth": "DFPOOrth", "rloo": "RLOO"}
+# reported credits may differ from autograd's by this share of the largest credit (float32 rounding)
+CREDIT_RTOL = 1e-4
+
+
+def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+    """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
+
+    A group's shared positions are its longest common prefix. Groups with one member have none.
+    """
+    shared = torch.zeros_like(tokens, dtype=torch.bool)
+    for group in group_ids.unique():
+        rows = group_ids == group
+        if rows.sum() < 2:
+            continue
+        members, present = tokens[rows], mask[rows].bool()
+        agrees = (members == members[0]).all(0) & present.all(0)
+        shared[rows] = agrees.long().cumprod(0).bool()
+    return shared
 
 
 def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor) -> float:
@@ -64,9 +91,48 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
-def audit(objective: Objective, tolerance: float = 1e-6) -> dict[str, float]:
-    """The learning tax of ``objective`` in each scenario."""
-    taxes = {}
+@dataclass
+class ScenarioAudit:
+    """What the audit found in one scenario.
+
+    Attributes:
+        tax: learning tax of the whole objective's autograd credits.
+        policy_tax: learning tax of the policy-gradient part (``kl_coef`` and ``entropy_coef`` at 0).
+        credit_mismatch: largest ``|reported - autograd|`` credit, as a share of the largest autograd credit.
+        mismatch_at: ``(row, position)`` of that mismatch.
+        reported: the reported credit there; autograd: autograd's.
+    """
+
+    tax: float
+    policy_tax: float
+    credit_mismatch: float
+    mismatch_at: tuple[int, int]
+    reported: float
+    autograd: float
+
+
+def credits(objective: Objective, logprobs: Tensor, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """``(reported, autograd)``: ``ObjectiveOutput.credits`` and ``-d loss / d logprobs``."""
+    logprobs = logprobs.clone().requires_grad_()
+    out = objective(logprobs, batch)
+    (gradient,) = torch.autograd.grad(out.loss, logprobs, allow_unused=True)
+    autograd = torch.zeros_like(logprobs) if gradient is None else -gradient
+    return out.credits.detach(), autograd.detach()
+
+
+def policy_gradient_part(objective: Objective) -> Objective:
+    """A copy of ``objective`` with its KL and entropy weights at 0, when it has them."""
+    part = copy.copy(objective)
+    for name in ("kl_coef", "entropy_coef"):
+        if getattr(part, name, 0.0):
+            setattr(part, name, 0.0)
+    return part
+
+
+def audit(objective: Objective) -> dict[str, ScenarioAudit]:
+    """The learning tax of ``objective`` in each scenario, and how well its reported credits match autograd's."""
+    results = {}
+    policy_part = policy_gradient_part(objective)
     for seed, (name, scenario) in enumerate(SCENARIOS.items()):
         tokens, mask, rewards, old, current = _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=seed, **scenario)
         group_ids = torch.arange(2).repeat_interleave(rewards.shape[1])
@@ -77,44 +143,88 @@ def audit(objective: Objective, tolerance: float = 1e-6) -> dict[str, float]:
             advantages=objective.advantages(rewards).view(-1), group_ids=group_ids, old_logprobs=old,
             ref_logprobs=old.clone(), step_sequences=float(len(tokens)), step_tokens=float(mask.sum()),
         )
-        credits = objective(current.clone().requires_grad_(), batch).credits
-        taxes[name] = learning_tax(credits, tokens, mask, group_ids)
-    return taxes
+        reported, autograd = credits(objective, current, batch)
+        gap = (reported - autograd).abs()
+        worst = int(gap.argmax())
+        row, position = divmod(worst, gap.shape[1])
+        scale = float(autograd.abs().max())
+        results[name] = ScenarioAudit(
+            tax=learning_tax(autograd, tokens, mask, group_ids),
+            policy_tax=learning_tax(credits(policy_part, current, batch)[1], tokens, mask, group_ids),
+            credit_mismatch=float(gap.max()) / scale if scale > 0 else float(gap.max()),
+            mismatch_at=(row, position), reported=float(reported[row, position]), autograd=float(autograd[row, position]),
+        )
+    return results
 
 
 def load_objective(name_or_class_path: str) -> Objective:
-    """A preset by name (``dfpo_min``) or any objective class by import path (``pkg.module.Class``), default arguments."""
-    if name_or_class_path in PRESETS:
-        return PRESETS[name_or_class_path]()
-    module_name, _, class_name = name_or_class_path.rpartition(".")
+    """A preset by name (``DFPOMin``, or its old name ``dfpo_min``) or any objective class by import path, built with no arguments.
+
+    Raises:
+        ValueError: with a one-line reason when it cannot be found, imported or built.
+    """
+    name = OLD_NAMES.get(name_or_class_path, name_or_class_path)
+    if name in PRESETS:
+        factory = PRESETS[name]
+    else:
+        module_name, _, class_name = name_or_class_path.rpartition(".")
+        try:
+            factory = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ValueError(
+                f"{name_or_class_path!r} is neither a preset ({', '.join(PRESETS)}) nor an importable class path: {error}"
+            ) from error
     try:
-        factory: Callable[[], Objective] = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise SystemExit(
-            f"audit-objective: {name_or_class_path!r} is neither a preset ({', '.join(PRESETS)}) "
-            f"nor an importable class path: {error}"
+        objective = factory()
+    except TypeError as error:
+        raise ValueError(
+            f"{name_or_class_path!r} cannot be built without arguments ({error}); give its arguments defaults, "
+            "or audit a subclass that sets them"
         ) from error
-    objective = factory()
     if not isinstance(objective, Objective):
-        raise SystemExit(f"audit-objective: {name_or_class_path!r} is not a lit_cancel.Objective")
+        raise ValueError(f"{name_or_class_path!r} is not a lit_cancel.Objective")
     return objective
 
 
 def main(argv: list[str]) -> int:
+    """Exit 0 when the objective cancels everywhere, 1 when it does not or reports wrong credits, 2 when it cannot be loaded."""
     parser = argparse.ArgumentParser(
         prog="lit-cancel audit-objective",
-        description="Measures the learning tax of an objective on constructed groups; exit 0 when it cancels everywhere.",
+        description="Measures the learning tax of an objective on constructed groups; exit 0 when its policy gradient "
+        "cancels everywhere and its reported credits are its loss's, 1 when not, 2 when it cannot be loaded or built.",
     )
     parser.add_argument("objective", help=f"a preset ({', '.join(PRESETS)}) or a class path such as my_pkg.objectives.MyObjective")
     parser.add_argument("--tolerance", type=float, default=1e-6, help="largest tax that counts as cancelling")
     args = parser.parse_args(argv)
-    taxes = audit(load_objective(args.objective), args.tolerance)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module in the current directory, as `python -m` would find it
+    try:
+        objective = load_objective(args.objective)
+    except ValueError as error:
+        print(f"audit-objective: {error}", file=sys.stderr)
+        return 2
+    results = audit(objective)
     print(f"learning tax of {args.objective} (uncancelled share of |credit| on positions every group member shares)")
-    for name, tax in taxes.items():
-        print(f"  {name:<36} {tax:10.6f}  {'cancels' if tax <= args.tolerance else 'DOES NOT CANCEL'}")
-    cancels = all(tax <= args.tolerance for tax in taxes.values())
-    print("result: cancels in every scenario" if cancels else "result: does not cancel")
-    return 0 if cancels else 1
+    print(f"  {'scenario':<36} {'policy gradient':>16} {'total':>10}")
+    for name, result in results.items():
+        verdict = "cancels" if result.policy_tax <= args.tolerance else "DOES NOT CANCEL"
+        print(f"  {name:<36} {result.policy_tax:16.6f} {result.tax:10.6f}  {verdict}")
+    cancels = all(result.policy_tax <= args.tolerance for result in results.values())
+    if any(result.tax > args.tolerance for result in results.values()) and cancels:
+        print("the total includes the KL and entropy terms, regularisers that are not meant to cancel")
+    name, worst = max(results.items(), key=lambda item: item[1].credit_mismatch)
+    credits_match = worst.credit_mismatch <= CREDIT_RTOL
+    if not credits_match:
+        row, position = worst.mismatch_at
+        print(
+            f"reported credits are not -dloss/dlogprobs: largest mismatch {worst.credit_mismatch:.3g} of the largest credit, "
+            f"in '{name}' at row {row}, position {position} (reported {worst.reported:.6g}, autograd {worst.autograd:.6g}); "
+            "the taxes above are autograd's"
+        )
+        print("result: reports credits that are not its loss's")
+    else:
+        print("result: cancels in every scenario" if cancels else "result: does not cancel")
+    return 0 if cancels and credits_match else 1
 
 
 if __name__ == "__main__":

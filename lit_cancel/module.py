@@ -53,6 +53,17 @@ def encode_completions(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> 
     return ids, mask
 
 
+def _padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, Tensor]:
+    """``(ids, mask)``, each ``[N, W]``: token-id sequences padded on the left (prompts) or the right."""
+    width = max(map(len, pieces))
+    ids = torch.full((len(pieces), width), pad_id)
+    mask = torch.zeros((len(pieces), width), dtype=torch.long)
+    for row, piece in enumerate(pieces):
+        columns = slice(width - len(piece), width) if left else slice(0, len(piece))
+        ids[row, columns], mask[row, columns] = torch.tensor(piece, dtype=torch.long), 1
+    return ids, mask
+
+
 def _generate(model: nn.Module, **kwargs) -> Tensor:
     return model.generate(**kwargs)
 
@@ -219,12 +230,12 @@ class RLModule(PolicyModule):
     """Critic-free RL on rollout mini-batches: policy, optional reference model, and an objective.
 
     The training step receives a :class:`RolloutBatch` (built by ``RolloutDataModule``) and
-    returns the dict that the callbacks in ``lit_cancel.callbacks`` read in ``on_train_batch_end``
-    (their contract): ``loss``; ``credits`` (``-d loss / d logprobs``), ``logprobs``, ``entropy``,
-    ``completion_mask`` and ``completion_ids``, each ``[B, C]`` and detached; ``advantages`` and
-    ``group_ids`` (``[B]``); ``input_ids``, ``attention_mask`` and ``prompt_length``. The methods
-    ``token_logprobs``, ``next_token_logprobs`` and ``sequence_logprobs`` give the callbacks their
-    extra forward passes.
+    returns only what it computed: ``loss``; ``credits`` (``-d loss / d logprobs``, zero on
+    padding), ``logprobs`` and ``entropy``, each ``[B, C]`` and detached. The callbacks in
+    ``lit_cancel.callbacks`` read each key from these outputs first, then from the batch
+    (``completion_mask``, ``advantages``, ``group_ids``, ``input_ids``, ``attention_mask``,
+    ``prompt_length``). The methods ``token_logprobs``, ``next_token_logprobs`` and
+    ``sequence_logprobs`` give them their extra forward passes.
 
     An optimizer step whose loss or gradient is not finite is skipped (the weights and the
     optimizer state stay as they were), counted in ``health/skipped_steps`` and named in a warning;
@@ -246,7 +257,7 @@ class RLModule(PolicyModule):
         self.objective = objective if objective is not None else GRPO()
         self.max_skipped_steps = max_skipped_steps
         self.skipped_steps, self.skipped_in_a_row = 0, 0
-        self.nonfinite_loss = False
+        self.nonfinite_loss = torch.tensor(False)
         # with LoRA the reference is the policy with its adapters disabled, not a second copy
         self.reference = None
         if self.objective.kl_coef > 0 and self.lora is None:
@@ -284,13 +295,25 @@ class RLModule(PolicyModule):
         return self.policy(next_token_logprobs, input_ids, attention_mask, positions, self.temperature)
 
     @torch.no_grad()
-    def sequence_logprobs(self, prompts: list[str], completions: list[str]) -> Tensor:
-        """``[N]`` log-probability of each completion (and its EOS) after its prompt, under the current policy."""
-        prompt = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        completion, mask = encode_completions(self.tokenizer, completions)
-        input_ids = torch.cat([prompt["input_ids"], completion], 1).to(self.device)
-        attention_mask = torch.cat([prompt["attention_mask"], mask], 1).to(self.device)
-        logprobs = self.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1])
+    def sequence_logprobs(self, prompts: list[str] | list[list[int]], completions: list[str] | list[list[int]]) -> Tensor:
+        """``[N]`` log-probability of each completion after its prompt, under the current policy.
+
+        Strings are tokenised, and each completion string is closed with EOS, which counts: the
+        probability of the completion as a whole answer. Token ids are scored as given (end a
+        completion with ``tokenizer.eos_token_id`` to count its EOS).
+        """
+        if all(isinstance(text, str) for text in prompts):
+            prompt = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            prompt_ids, prompt_mask = prompt["input_ids"], prompt["attention_mask"]
+        else:
+            prompt_ids, prompt_mask = _padded([list(ids) for ids in prompts], self.tokenizer.pad_token_id, left=True)
+        if all(isinstance(text, str) for text in completions):
+            completion, mask = encode_completions(self.tokenizer, completions)
+        else:
+            completion, mask = _padded([list(ids) for ids in completions], self.tokenizer.pad_token_id, left=False)
+        input_ids = torch.cat([prompt_ids, completion], 1).to(self.device)
+        attention_mask = torch.cat([prompt_mask, mask], 1).to(self.device)
+        logprobs = self.token_logprobs(input_ids, attention_mask, prompt_ids.shape[1])
         return (logprobs * mask.to(self.device)).sum(1)
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
@@ -298,35 +321,23 @@ class RLModule(PolicyModule):
             self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
         )
         out = self.objective(logprobs, batch)
-        self.nonfinite_loss |= not bool(torch.isfinite(out.loss))
+        self.nonfinite_loss = self.nonfinite_loss | ~torch.isfinite(out.loss.detach())
         mask = batch.completion_mask
         size = len(batch)
         self.log_dict(out.metrics, batch_size=size)
         self.log("health/entropy", (entropy * mask).sum() / mask.sum().clamp(min=1), batch_size=size)
         if batch.stats:
             self.log_dict(batch.stats, batch_size=size)
-        return {
-            "loss": out.loss,
-            "credits": out.credits,
-            "logprobs": logprobs.detach(),
-            "entropy": entropy,
-            "completion_mask": mask,
-            "completion_ids": batch.input_ids[:, batch.prompt_length :],
-            "advantages": batch.advantages,
-            "group_ids": batch.group_ids,
-            "input_ids": batch.input_ids,
-            "attention_mask": batch.attention_mask,
-            "prompt_length": batch.prompt_length,
-        }
+        return {"loss": out.loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skips a step whose loss or gradient is not finite: without gradients the optimizer leaves every parameter alone."""
         # sharded gradients are DTensors: each process checks its own shard, then the processes agree
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.parameters() if p.grad is not None]
         gradient_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        flags = torch.stack([torch.tensor(self.nonfinite_loss), ~gradient_finite.cpu()]).float().to(self.device)
+        flags = torch.stack([self.nonfinite_loss.to(self.device), ~gradient_finite.to(self.device)]).float()
         loss_bad, gradient_bad = (self.trainer.strategy.reduce(flags, reduce_op="sum") > 0).tolist()
-        self.nonfinite_loss = False
+        self.nonfinite_loss = torch.tensor(False)
         if loss_bad or gradient_bad:
             optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1

@@ -161,12 +161,4 @@ class RLOO(PolicyGradient):
         super().__init__(advantage=LeaveOneOut(), ratio="token", clip=SymmetricClip(clip_eps), normaliser=TokenMean(), kl_coef=kl_coef)
 
 
-PRESETS: dict[str, type[Objective]] = {
-    "grpo": GRPO,
-    "dr_grpo": DrGRPO,
-    "dapo": DAPO,
-    "gspo": GSPO,
-    "dfpo_min": DFPOMin,
-    "dfpo_orth": DFPOOrth,
-    "rloo": RLOO,
-}
+PRESETS: dict[str, type[Objective]] = {preset.__name__: preset for preset in (GRPO, DrGRPO, DAPO, GSPO, DFPOMin, DFPOOrth, RLOO)}

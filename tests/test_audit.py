@@ -1,11 +1,17 @@
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from lit_cancel import PRESETS, ConstantLength, PolicyGradient, SequenceMean
-from lit_cancel.audit import SCENARIOS, audit, learning_tax, main
-from lit_cancel.callbacks.learning_tax import shared_positions
+from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, PolicyGradient, SequenceMean
+from lit_cancel.audit import SCENARIOS, audit, learning_tax, main, shared_positions
+from lit_cancel.callbacks import learning_tax as tax_callback
+from lit_cancel.callbacks import token_flip
+
+LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
 
 
 class MyConstantObjective(PolicyGradient):
@@ -22,14 +28,48 @@ class MyLengthNormalisedObjective(PolicyGradient):
         super().__init__(normaliser=SequenceMean())
 
 
+class GRPOReportingDrGRPOCredits(GRPO):
+    """GRPO's loss, but the credits it reports are Dr. GRPO's (which cancel)."""
+
+    def __call__(self, logprobs, batch):
+        out = super().__call__(logprobs, batch)
+        out.credits = DrGRPO()(logprobs.detach(), batch).credits
+        return out
+
+
+class NeedsArguments(PolicyGradient):
+    def __init__(self, width: int):
+        super().__init__(normaliser=ConstantLength(width))
+
+
+class RegularisedDFPO(DFPOMin):
+    def __init__(self):
+        super().__init__(kl_coef=0.05)
+
+
 def test_shared_positions_are_the_groups_common_prefix():
     tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 1], [4, 4, 4, 4], [4, 4, 4, 0], [3, 3, 3, 3]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
     groups = torch.tensor([0, 0, 0, 1, 1, 2])
-    shared = shared_positions(tokens, mask, groups).long()
     # group 0 shares [5, 6]; group 1 shares [4, 4] (its second member ends after two tokens);
     # group 2 has a single member in the batch: nothing to compare, nothing shared
-    assert shared.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    expected = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    for implementation in (shared_positions, tax_callback.shared_positions, token_flip.shared_positions):
+        assert implementation(tokens, mask, groups).long().tolist() == expected
+
+
+def test_the_callbacks_copies_compute_the_cores_numbers():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        groups = torch.randint(0, 4, (12,), generator=generator)
+        tokens = torch.randint(0, 3, (12, 6), generator=generator)  # 3 symbols: long shared prefixes are common
+        mask = (torch.arange(6) < torch.randint(1, 7, (12, 1), generator=generator)).long()
+        credits = torch.randn(12, 6, generator=generator) * mask
+        shared = shared_positions(tokens, mask, groups)
+        assert torch.equal(tax_callback.shared_positions(tokens, mask, groups), shared)
+        assert torch.equal(token_flip.shared_positions(tokens, mask, groups), shared)
+        uncancelled, total = tax_callback.uncancelled_credit(credits, tokens, mask, groups)
+        assert float(uncancelled / total) == pytest.approx(learning_tax(credits, tokens, mask, groups), rel=1e-6)
 
 
 def test_learning_tax_by_hand():
@@ -42,7 +82,9 @@ def test_learning_tax_by_hand():
     assert learning_tax(torch.zeros(2, 3), tokens, mask, groups) == 0.0
 
 
-@pytest.mark.parametrize(("name", "exit_code"), [("dr_grpo", 0), ("dfpo_min", 0), ("dfpo_orth", 0), ("grpo", 1), ("gspo", 1)])
+@pytest.mark.parametrize(
+    ("name", "exit_code"), [("DrGRPO", 0), ("DFPOMin", 0), ("DFPOOrth", 0), ("GRPO", 1), ("GSPO", 1), ("dr_grpo", 0), ("gspo", 1)]
+)
 def test_audit_exit_codes_of_presets(name, exit_code, capsys):
     assert main([name]) == exit_code
     printed = capsys.readouterr().out
@@ -50,10 +92,33 @@ def test_audit_exit_codes_of_presets(name, exit_code, capsys):
 
 
 def test_audit_names_the_scenarios_that_break():
-    taxes = audit(PRESETS["grpo"]())
-    assert taxes["on-policy, equal lengths"] < 1e-6 < taxes["on-policy, unequal lengths"]
-    gspo = audit(PRESETS["gspo"]())
-    assert gspo["off-policy, inside the clip range"] > 0.1
+    grpo = audit(PRESETS["GRPO"]())
+    assert grpo["on-policy, equal lengths"].tax < 1e-6 < grpo["on-policy, unequal lengths"].tax
+    gspo = audit(PRESETS["GSPO"]())
+    assert gspo["off-policy, inside the clip range"].tax > 0.1
+
+
+def test_every_preset_reports_its_losss_credits():
+    for name, preset in PRESETS.items():
+        for result in audit(preset()).values():
+            assert result.credit_mismatch < 1e-5, name
+
+
+def test_credits_that_are_not_the_losss_fail_the_audit(capsys):
+    results = audit(GRPOReportingDrGRPOCredits())
+    assert max(result.credit_mismatch for result in results.values()) > 0.1
+    assert results["on-policy, unequal lengths"].tax > 1e-3  # judged on autograd's credits: GRPO's
+    assert main(["test_audit.GRPOReportingDrGRPOCredits"]) == 1
+    printed = capsys.readouterr().out
+    assert "reported credits are not -dloss/dlogprobs: largest mismatch" in printed and "DOES NOT CANCEL" in printed
+
+
+def test_a_regulariser_is_reported_apart_from_the_policy_gradient(capsys):
+    results = audit(RegularisedDFPO())
+    off_policy = results["off-policy, inside the clip range"]
+    assert off_policy.policy_tax < 1e-6 < 1e-3 < off_policy.tax
+    assert main(["test_audit.RegularisedDFPO"]) == 0
+    assert "regularisers that are not meant to cancel" in capsys.readouterr().out
 
 
 def test_audit_takes_a_user_class_by_import_path():
@@ -61,15 +126,27 @@ def test_audit_takes_a_user_class_by_import_path():
     assert main(["test_audit.MyLengthNormalisedObjective"]) == 1
 
 
-def test_audit_refuses_what_it_cannot_load():
-    with pytest.raises(SystemExit, match="neither a preset .* nor an importable class path"):
-        main(["no_such_module.Objective"])
-    with pytest.raises(SystemExit, match="is not a lit_cancel.Objective"):
-        main(["collections.OrderedDict"])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_module.Objective", "neither a preset .* nor an importable class path"),
+        ("collections.OrderedDict", "is not a lit_cancel.Objective"),
+        ("test_audit.NeedsArguments", r"cannot be built without arguments \(.*width.*\); give its arguments defaults"),
+    ],
+)
+def test_audit_refuses_what_it_cannot_load_with_exit_2(name, message, capsys):
+    assert main([name]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("audit-objective: ")
+    assert re.search(message, error)
 
 
-def test_console_command_exit_status():
-    for name, code in [("dfpo_orth", 0), ("gspo", 1)]:
-        result = subprocess.run(["lit-cancel", "audit-objective", name], capture_output=True, text=True, timeout=120)
+def test_console_command_exit_status_and_a_module_in_the_current_directory(tmp_path):
+    (tmp_path / "my_objectives.py").write_text(
+        "from lit_cancel import ConstantLength, PolicyGradient\n\n\n"
+        "class Mine(PolicyGradient):\n    def __init__(self):\n        super().__init__(normaliser=ConstantLength(16))\n"
+    )
+    for name, code in [("DFPOOrth", 0), ("GSPO", 1), ("my_objectives.Mine", 0), ("my_objectives.Missing", 2)]:
+        result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert result.returncode == code, result.stderr
-        assert "learning tax of " + name in result.stdout
+        assert code == 2 or "learning tax of " + name in result.stdout

@@ -2,14 +2,17 @@
 
 import ast
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lit_cancel.audit import learning_tax, shared_positions
 from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, SolutionProbabilityDriftMonitor, TokenFlipMonitor
 
 VOCAB = 12
@@ -19,48 +22,51 @@ CALLBACKS_DIR = Path(__file__).parents[1] / "callbacks"
 class BigramPolicy(L.LightningModule):
     """``p(next | previous token) = softmax(table[previous])``, trained on the batch's own credits.
 
-    It meets the callbacks' contract and nothing more; its loss is ``-sum c logp``, so the
-    credits it returns are exactly its gradient's weights.
+    It meets the callbacks' contract and nothing more: its training step returns what it computed
+    (loss, credits, log-probs, entropy) and the callbacks read the rest from the batch. Its loss is
+    ``-sum c logp``, so the credits it returns are exactly its gradient's weights. With ``dropout``
+    the logits of the training pass are noisy, as a transformer's are.
     """
 
-    def __init__(self, batches: list[dict], lr: float = 1.0):
+    def __init__(self, batches: list[dict], lr: float = 1.0, dropout: float = 0.0):
         super().__init__()
         self.table = nn.Parameter(torch.zeros(VOCAB, VOCAB))
+        self.dropout = nn.Dropout(dropout)
         self.batches, self.lr = batches, lr
+        self.seen: list[tuple[bool, bool, bool]] = []  # (grad enabled, training, autocast) in each extra pass
 
     def _logprobs(self, input_ids, prompt_length):
-        log_dist = torch.log_softmax(self.table[input_ids[:, prompt_length - 1 : -1]], -1)
+        log_dist = torch.log_softmax(self.dropout(self.table[input_ids[:, prompt_length - 1 : -1]]), -1)
         return log_dist.gather(-1, input_ids[:, prompt_length:, None]).squeeze(-1), log_dist
 
+    def _record(self):
+        self.seen.append((torch.is_grad_enabled(), self.dropout.training, torch.is_autocast_enabled("cpu")))
+
     def token_logprobs(self, input_ids, attention_mask, prompt_length):
-        with torch.no_grad():
-            return self._logprobs(input_ids, prompt_length)[0]
+        self._record()
+        return self._logprobs(input_ids, prompt_length)[0]
 
     def next_token_logprobs(self, input_ids, attention_mask, positions):
-        with torch.no_grad():
-            return torch.log_softmax(self.table[input_ids[positions[:, 0], positions[:, 1]]], -1)
+        self._record()
+        return torch.log_softmax(self.dropout(self.table[input_ids[positions[:, 0], positions[:, 1]]]), -1)
 
     def sequence_logprobs(self, prompts, completions):
-        ids = [torch.tensor([ord(c) % VOCAB for c in p + s]) for p, s in zip(prompts, completions)]
-        with torch.no_grad():
-            return torch.stack([self._logprobs(i[None], len(p))[0].sum() for i, p in zip(ids, prompts)])
+        """Prompts and completions are token ids, or strings whose characters map to ``ord(c) % 12``; no EOS."""
+        self._record()
+        ids = lambda piece: [ord(c) % VOCAB for c in piece] if isinstance(piece, str) else piece
+        return torch.stack([
+            self._logprobs(torch.tensor([ids(p) + ids(s)]), len(ids(p)))[0].sum() for p, s in zip(prompts, completions)
+        ])
 
     def training_step(self, batch, batch_idx):
-        prompt_length = batch["prompt_length"]
-        logprobs, log_dist = self._logprobs(batch["input_ids"], prompt_length)
-        mask = batch["completion_mask"]
+        assert self.dropout.training  # the callbacks' extra passes restored the mode
+        logprobs, log_dist = self._logprobs(batch["input_ids"], batch["prompt_length"])
+        credits = batch["credits"] * batch["completion_mask"]
         return {
-            "loss": -(batch["credits"] * logprobs * mask).sum(),
-            "credits": batch["credits"] * mask,
+            "loss": -(credits * logprobs).sum(),
+            "credits": credits,
             "logprobs": logprobs.detach(),
             "entropy": -(log_dist.exp() * log_dist).sum(-1).detach(),
-            "completion_mask": mask,
-            "completion_ids": batch["input_ids"][:, prompt_length:],
-            "advantages": batch["advantages"],
-            "group_ids": batch["group_ids"],
-            "input_ids": batch["input_ids"],
-            "attention_mask": batch["attention_mask"],
-            "prompt_length": prompt_length,
         }
 
     def train_dataloader(self):
@@ -70,7 +76,7 @@ class BigramPolicy(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def group_batch(credits: list[list[float]], completions: list[list[int]], advantages: list[float]) -> dict:
+def group_batch(credits: list[list[float]], completions: list[list[int]], advantages: list[float], group: int = 0) -> dict:
     """One group: prompt [1, 3], then the given completions (equal lengths)."""
     completion = torch.tensor(completions)
     rows = len(completions)
@@ -78,7 +84,7 @@ def group_batch(credits: list[list[float]], completions: list[list[int]], advant
     return {
         "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "prompt_length": 2,
         "completion_mask": torch.ones_like(completion), "credits": torch.tensor(credits),
-        "advantages": torch.tensor(advantages), "group_ids": torch.zeros(rows, dtype=torch.long),
+        "advantages": torch.tensor(advantages), "group_ids": torch.full((rows,), group),
     }
 
 
@@ -89,7 +95,8 @@ NOT_EXCHANGEABLE = [[0.5, 0.5, 1.0, 0.0], [-0.5, -0.25, -1.0, 0.0]]
 
 
 def fit(module, callbacks, steps, **options):
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    options = {"logger": False, **options}
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **options)
     trainer.fit(module)
     return trainer
@@ -103,23 +110,26 @@ def test_learning_tax_is_zero_for_exchangeable_credits_and_drift_with_it():
     assert monitor.last_shared_kl == pytest.approx(0.0, abs=1e-12)
 
 
+def shared_context_kl(net_credit: float) -> float:
+    """KL(before || after) at a uniform context whose row got ``net_credit`` on token 6, by hand."""
+    grad = net_credit * (torch.nn.functional.one_hot(torch.tensor(6), VOCAB) - torch.full((VOCAB,), 1 / VOCAB))
+    before, after = torch.full((VOCAB,), -math.log(VOCAB)), torch.log_softmax(grad, 0)
+    return float((before.exp() * (before - after)).sum())
+
+
 def test_learning_tax_has_its_hand_computed_value_for_non_exchangeable_credits():
     monitor = LearningTaxMonitor(kl_every_n_steps=1)
     fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])]), [monitor], 1)
     # shared positions 0 and 1: |0.5 - 0.5| + |0.5 - 0.25| = 0.25 of |c| summed = 3.75
     assert monitor.last_tax == pytest.approx(0.25 / 3.75)
-    # the uncancelled 0.25 moves the context after token 5: KL(before || after) there, by hand
-    grad = 0.25 * (torch.nn.functional.one_hot(torch.tensor(6), VOCAB) - torch.full((VOCAB,), 1 / VOCAB))
-    before, after = torch.full((VOCAB,), -math.log(VOCAB)), torch.log_softmax(grad, 0)
-    # two shared contexts (after 3: net credit 0, after 5: net 0.25), averaged
-    expected = float((before.exp() * (before - after)).sum()) / 2
-    assert monitor.last_shared_kl == pytest.approx(expected, rel=1e-5)
+    # the uncancelled 0.25 moves the context after token 5; two shared contexts (after 3: net 0), averaged
+    assert monitor.last_shared_kl == pytest.approx(shared_context_kl(0.25) / 2, rel=1e-5)
 
 
 def test_learning_tax_alert_stops_training():
     monitor = LearningTaxMonitor(max_tax=0.01, action="stop")
     trainer = fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 5), [monitor], 5)
-    assert monitor.alerted and trainer.global_step == 1
+    assert monitor.alert_steps == [0] and trainer.global_step == 1
 
 
 def test_entropy_of_a_uniform_policy_and_collapse_alert():
@@ -128,7 +138,7 @@ def test_entropy_of_a_uniform_policy_and_collapse_alert():
     batches = [group_batch([[20.0] * 4, [20.0] * 4], COMPLETIONS, [1.0, 1.0])] * 6
     trainer = fit(BigramPolicy(batches), [monitor], 6)
     assert monitor.baseline == pytest.approx(math.log(VOCAB))  # uniform over 12 tokens at the first step
-    assert monitor.alerted and trainer.global_step < 6
+    assert monitor.alert_steps and trainer.global_step < 6
     assert monitor.last_ratio < 0.5
 
 
@@ -141,8 +151,18 @@ def test_entropy_baseline_is_kept_in_the_checkpoint():
 
 
 class KeepTable(L.Callback):
+    """The table at the start of each optimizer step (micro-batches of one step see the same table)."""
+
+    def __init__(self):
+        self.before = {}
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.before = pl_module.table.detach().clone()
+        self.before.setdefault(trainer.global_step, pl_module.table.detach().clone())
+
+
+def bigram_logprobs(table, input_ids, prompt_length=2):
+    log_dist = torch.log_softmax(table[input_ids[:, prompt_length - 1 : -1]], -1)
+    return log_dist.gather(-1, input_ids[:, prompt_length:, None]).squeeze(-1)
 
 
 def test_token_flip_fractions_of_a_constructed_update():
@@ -152,9 +172,7 @@ def test_token_flip_fractions_of_a_constructed_update():
     module = BigramPolicy([batch], lr=0.5)
     fit(module, [keep, flips], 1)
     # independent recomputation of delta from the table before and after the step
-    after = module.token_logprobs(batch["input_ids"], None, 2)
-    module.table.data.copy_(keep.before)
-    delta = after - module.token_logprobs(batch["input_ids"], None, 2)
+    delta = bigram_logprobs(module.table.detach(), batch["input_ids"]) - bigram_logprobs(keep.before[0], batch["input_ids"])
     shared = torch.tensor([[True, True, False, False]] * 2)
     assert delta[0, 2:].gt(0).all() and delta[1, 2:].lt(0).all()  # own tokens follow the advantage
     assert delta[shared].abs().max() < 1e-6  # shared tokens do not move
@@ -165,13 +183,209 @@ def test_token_flip_fractions_of_a_constructed_update():
     assert flips.last["mean_abs_change"] == pytest.approx(float(delta.abs().mean()))
 
 
+def test_gradient_accumulation_is_measured_per_optimizer_step():
+    """Two micro-batches (two groups) per optimizer step: both passes cover both, across the one step."""
+    flips, tax, keep = TokenFlipMonitor(every_n_steps=1), LearningTaxMonitor(kl_every_n_steps=1), KeepTable()
+    first = group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0], group=0)
+    second = group_batch(EXCHANGEABLE, [[5, 6, 2, 4], [5, 2, 4, 4]], [-1.0, 1.0], group=1)
+    module = BigramPolicy([first, second], lr=0.5)
+    fit(module, [keep, flips, tax], 1, accumulate_grad_batches=2)
+    after, before = module.table.detach(), keep.before[0]
+    deltas = [bigram_logprobs(after, b["input_ids"]) - bigram_logprobs(before, b["input_ids"]) for b in (first, second)]
+    delta = torch.cat(deltas)
+    assert flips.last["mean_abs_change"] == pytest.approx(float(delta.abs().mean()), rel=1e-5)
+    positive = torch.cat([deltas[0][0], deltas[1][1]])
+    assert flips.last["boosted_positive"] == pytest.approx(float((positive > 0).float().mean()))
+    # shared contexts: token 3 (both groups), 5 (first group), KL of the table's rows across the step
+    rows = torch.tensor([3, 5, 3])
+    kl = (before[rows].softmax(-1) * (before[rows].log_softmax(-1) - after[rows].log_softmax(-1))).sum(-1)
+    assert tax.last_shared_kl == pytest.approx(float(kl.mean()), rel=1e-5)
+    # credits of both micro-batches: uncancelled 0.25 of 3.75 + 4.4
+    assert tax.last_tax == pytest.approx(0.25 / (3.75 + 4.4))
+
+
+def test_at_learning_rate_zero_every_change_is_zero_despite_dropout():
+    probes = [{"prompt": [1, 3], "solutions": [[5, 6], [5, 7]]}]
+    monitors = [TokenFlipMonitor(every_n_steps=1), LearningTaxMonitor(kl_every_n_steps=1),
+                SolutionProbabilityDriftMonitor(probes=probes, every_n_steps=1)]
+    module = BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 3, lr=0.0, dropout=0.5)
+    module.table.data.normal_(generator=torch.Generator().manual_seed(0))
+    fit(module, monitors, 3)
+    flips, tax, drift = monitors
+    assert flips.last["mean_abs_change"] == 0.0
+    assert all(flips.last[f"{kind}_{split}"] == 0.0 for kind in ("boosted", "suppressed") for split in ("positive", "negative"))
+    assert tax.last_shared_kl == 0.0
+    assert drift.last["logprob_change"] == 0.0
+    # every extra pass ran without grad and with dropout off
+    assert module.seen and all(seen[:2] == (False, False) for seen in module.seen)
+
+
+def test_extra_passes_run_in_the_trainers_precision_context():
+    module = BigramPolicy([group_batch(EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 2, dropout=0.1)
+    fit(module, [TokenFlipMonitor(every_n_steps=1), LearningTaxMonitor(kl_every_n_steps=1)], 2, precision="bf16-mixed")
+    assert len(module.seen) == 8 and all(seen == (False, False, True) for seen in module.seen)
+
+
+class SamplingPolicy(BigramPolicy):
+    """The common layout: the batch holds prompts only; the training step samples the group and returns everything.
+
+    The reward is whether the second sampled token is 6 or above; members' credits are weighted
+    unequally (1, 1/2, 1, 1/2), which does not cancel.
+    """
+
+    group_size = 4
+
+    def training_step(self, batch, batch_idx):
+        prompts = batch["prompts"].repeat_interleave(self.group_size, 0)
+        generator = torch.Generator().manual_seed(batch_idx)
+        with torch.no_grad():
+            tokens = [prompts]
+            for _ in range(3):
+                tokens.append(torch.multinomial(self.table[tokens[-1][:, -1]].softmax(-1), 1, generator=generator))
+            input_ids = torch.cat(tokens, 1)
+        rewards = (input_ids[:, 3] >= 6).float().view(-1, self.group_size)
+        advantages = (rewards - rewards.mean(1, keepdim=True)).view(-1)
+        logprobs, log_dist = self._logprobs(input_ids, 2)
+        weights = torch.tensor([1.0, 0.5]).repeat(len(prompts) // 2)
+        credits = (advantages * weights / 3).unsqueeze(1).expand_as(logprobs)
+        return {
+            "loss": -(credits * logprobs).sum(), "credits": credits, "logprobs": logprobs.detach(),
+            "entropy": -(log_dist.exp() * log_dist).sum(-1).detach(), "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids), "prompt_length": 2, "completion_mask": torch.ones_like(logprobs),
+            "advantages": advantages, "group_ids": torch.arange(len(batch["prompts"])).repeat_interleave(self.group_size),
+        }
+
+
+class KeepOutputs(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.outputs = outputs
+
+
+def test_a_module_that_samples_inside_its_training_step():
+    monitors = [EntropyCollapseMonitor(), LearningTaxMonitor(kl_every_n_steps=1), TokenFlipMonitor(every_n_steps=1)]
+    keep, kept = KeepTable(), KeepOutputs()
+    module = SamplingPolicy([{"prompts": torch.tensor([[1, 3], [2, 3]])}], lr=2.0)
+    module.table.data[3, 5] = 10.0  # every member starts its completion with 5: a shared context (3) per group
+    fit(module, [keep, kept, *monitors], 1)
+    out, after, before = kept.outputs, module.table.detach(), keep.before[0]
+    tokens, mask = out["input_ids"][:, 2:], out["completion_mask"]
+    # independent values from the core's own copies of the tax and the shared positions
+    assert monitors[1].last_tax == pytest.approx(learning_tax(out["credits"], tokens, mask, out["group_ids"])) and monitors[1].last_tax > 0
+    contexts = out["input_ids"][:, 1:-1][shared_positions(tokens, mask, out["group_ids"])]  # groups of equal size
+    kl = (before[contexts].softmax(-1) * (before[contexts].log_softmax(-1) - after[contexts].log_softmax(-1))).sum(-1)
+    assert monitors[1].last_shared_kl == pytest.approx(float(kl.mean()), rel=1e-5) and monitors[1].last_shared_kl > 0
+    delta = bigram_logprobs(after, out["input_ids"]) - bigram_logprobs(before, out["input_ids"])
+    assert monitors[2].last["mean_abs_change"] == pytest.approx(float(delta.abs().mean()), rel=1e-5)
+    assert monitors[0].baseline is not None
+
+
+class Recorder(Logger):
+    """A Lightning logger that keeps every point it is given."""
+
+    name, version = "recorder", 0
+
+    def __init__(self):
+        super().__init__()
+        self.points: dict[str, list[int]] = {}
+
+    def log_metrics(self, metrics, step=None):
+        for name in metrics:
+            self.points.setdefault(name, []).append(step)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_sparse_measurements_are_logged_once_each_at_their_step():
+    probes = [{"prompt": [1, 3], "solutions": [[5, 6], [5, 7]]}]
+    monitors = [TokenFlipMonitor(every_n_steps=5), LearningTaxMonitor(kl_every_n_steps=5),
+                SolutionProbabilityDriftMonitor(probes=probes, every_n_steps=5), EntropyCollapseMonitor(log_every_n_steps=2)]
+    recorder = Recorder()
+    fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 20, lr=0.1), monitors, 20,
+        logger=recorder, log_every_n_steps=1)
+    for name in ["health/flip_mean_abs_change", "health/shared_kl", "health/drift_logprob_change"]:
+        assert recorder.points[name] == [0, 5, 10, 15], name
+    assert recorder.points["health/entropy_mean"] == list(range(0, 20, 2))
+    assert recorder.points["health/learning_tax"] == list(range(20))
+
+
+def test_an_alert_warns_once_when_the_value_crosses_its_threshold():
+    monitor = EntropyCollapseMonitor(min_ratio=0.5)
+    batches = [group_batch([[20.0] * 4, [20.0] * 4], COMPLETIONS, [1.0, 1.0])] * 20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(BigramPolicy(batches), [monitor], 20)
+    alerts = [w for w in caught if "EntropyCollapseMonitor at step" in str(w.message)]
+    assert len(alerts) == 1 and len(monitor.alert_steps) == 1 and monitor.collapsed
+
+
+def test_a_warn_and_a_stop_monitor_of_one_class_in_one_trainer():
+    warn, stop = LearningTaxMonitor(max_tax=0.01), LearningTaxMonitor(max_tax=0.5, action="stop")
+    trainer = fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 3), [warn, stop], 3)
+    assert warn.state_key != stop.state_key
+    assert warn.alert_steps == [0] and not stop.alert_steps and trainer.global_step == 3
+
+
+def test_the_stop_decision_is_reduced_over_processes(monkeypatch):
+    """Another process past the threshold stops this one too: the decision goes through the strategy."""
+    monitor = LearningTaxMonitor(max_tax=0.5, action="stop", kl_every_n_steps=0)
+    module = BigramPolicy([group_batch(EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    votes = []
+    monkeypatch.setattr(trainer.strategy, "reduce_boolean_decision", lambda decision, all=True: votes.append(decision) or True)
+    trainer.fit(module)
+    assert votes == [False] and trainer.global_step == 1 and monitor.last_tax == 0.0
+
+
+def with_batch(**changes):
+    batch = group_batch(EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])
+    return [{**{k: v for k, v in batch.items() if k not in changes}, **{k: v for k, v in changes.items() if v is not None}}]
+
+
+@pytest.mark.parametrize(
+    ("make", "batches", "message"),
+    [
+        (lambda: TokenFlipMonitor(every_n_steps=1), with_batch(advantages=torch.tensor([[1.0], [-1.0]])),
+         r"TokenFlipMonitor needs batch\['advantages'\] of shape \[B\] = \[2\], got \[2, 1\]"),
+        (lambda: LearningTaxMonitor(kl_every_n_steps=0), with_batch(group_ids=None),
+         r"LearningTaxMonitor needs 'group_ids' \(\[B\]\) in the training step's outputs or the batch; found in neither"),
+        (lambda: LearningTaxMonitor(kl_every_n_steps=1), with_batch(attention_mask=torch.ones(2, 5, dtype=torch.long)),
+         r"LearningTaxMonitor needs batch\['attention_mask'\] of shape \[B, P \+ C\] = \[2, 6\], got \[2, 5\]"),
+        (lambda: LearningTaxMonitor(kl_every_n_steps=0), with_batch(group_ids=torch.zeros(2, 1, dtype=torch.long)),
+         r"LearningTaxMonitor needs batch\['group_ids'\] of shape \[B\] = \[2\], got \[2, 1\]"),
+    ],
+)
+def test_a_broken_contract_fails_with_one_line_naming_the_key_and_shapes(make, batches, message):
+    with pytest.raises(ValueError, match=message):
+        fit(BigramPolicy(batches), [make()], 1)
+
+
+class NoExtraPasses(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+
+
+@pytest.mark.parametrize(
+    ("callback", "method"),
+    [(TokenFlipMonitor(), "token_logprobs"), (LearningTaxMonitor(), "next_token_logprobs"),
+     (SolutionProbabilityDriftMonitor(probes=[{"prompt": "a", "solutions": ["b"]}]), "sequence_logprobs")],
+)
+def test_a_missing_module_method_fails_in_setup(callback, method):
+    trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[callback])
+    with pytest.raises(TypeError, match=rf"needs NoExtraPasses.{method}\(.*it has none"):
+        callback.setup(trainer, NoExtraPasses(), "fit")
+
+
 def test_solution_drift_log_odds_and_preference_entropy_of_a_constructed_probe():
-    # characters map to token ids by ord % 12: "a" -> 1, "x" -> 0, "y" -> 1, "z" -> 2
-    probes = [{"prompt": "a", "solutions": ["xy", "xz"]}, {"prompt": "a", "solutions": ["x"]}]
+    # characters map to token ids by ord % 12: "a" -> 1, "x" -> 0, "y" -> 1, "z" -> 2; token ids work alike
+    probes = [{"prompt": "a", "solutions": ["xy", "xz"]}, {"prompt": [1], "solutions": [[0]]}]
     monitor = SolutionProbabilityDriftMonitor(probes=probes, every_n_steps=1)
     module = BigramPolicy([group_batch([[0.0, 0.0, 0.0, 0.0]], [[0, 1, 0, 0]], [1.0])] * 2, lr=1.0)
-    module.batches = [{**b, "input_ids": torch.tensor([[1, 1, 0, 1]]), "completion_mask": torch.tensor([[1, 1]]),
-                       "credits": torch.tensor([[0.0, 2.0]]), "prompt_length": 2} for b in module.batches]
+    module.batches = [{**b, "input_ids": torch.tensor([[1, 1, 0, 1]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
+                       "completion_mask": torch.tensor([[1, 1]]), "credits": torch.tensor([[0.0, 2.0]]), "prompt_length": 2}
+                      for b in module.batches]
     fit(module, [monitor], 2)
     # two steps reinforce "y" after "x": table[0] += 2 (e_y - p) each step; "z" after "x" loses
     table = module.table.detach()
@@ -196,6 +410,7 @@ def test_solution_drift_log_odds_and_preference_entropy_of_a_constructed_probe()
         (lambda: LearningTaxMonitor(kl_every_n_steps=-1), "kl_every_n_steps >= 0"),
         (lambda: TokenFlipMonitor(every_n_steps=0), "every_n_steps must be >= 1"),
         (lambda: SolutionProbabilityDriftMonitor(probes=[{"prompt": "a"}]), r"probes\[0\] must be a dict with a 'prompt'"),
+        (lambda: SolutionProbabilityDriftMonitor(probes=[{"prompt": "a", "solutions": [[1, "b"]]}]), "string or a list of token ids"),
         (lambda: SolutionProbabilityDriftMonitor(min_entropy_ratio=0), "min_entropy_ratio must be in"),
     ],
 )

@@ -5,7 +5,7 @@ import torch
 
 
 def first_step(split_step, precision: str, dtype: str | None = None) -> dict:
-    return split_step.train("grpo", devices=1, strategy="auto", accumulate=1, steps=1, kl_coef=0.0, precision=precision, dtype=dtype)
+    return split_step.train("GRPO", devices=1, strategy="auto", accumulate=1, steps=1, kl_coef=0.0, precision=precision, dtype=dtype)
 
 
 def test_bf16_mixed_gradient_is_close_to_float32(split_step):

@@ -10,7 +10,7 @@ import torch
 from lit_cancel import RLModule
 
 SCRIPT = Path(__file__).parent / "split_step.py"
-OBJECTIVES = ["grpo", "dfpo_min"]
+OBJECTIVES = ["GRPO", "DFPOMin"]
 
 
 def train(tmp_path, devices: int, strategy: str) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parent / "split_step.py"
-OBJECTIVES = ["grpo", "dr_grpo", "dapo", "dfpo_min"]
+OBJECTIVES = ["GRPO", "DrGRPO", "DAPO", "DFPOMin"]
 
 
 def gradients(tmp_path, devices: int, accumulate: int, strategy: str = "auto") -> dict[str, torch.Tensor]:

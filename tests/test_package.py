@@ -1,0 +1,38 @@
+"""The package imports lazily: the callbacks stand alone, and every public name resolves on first use."""
+
+import subprocess
+import sys
+
+import lit_cancel
+
+
+def test_importing_the_callbacks_loads_neither_the_models_nor_the_rest_of_the_package():
+    listing = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom lit_cancel.callbacks import TokenFlipMonitor\nprint('\\n'.join(sys.modules))"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.split()
+    roots = {name.split(".")[0] for name in listing}
+    assert {"lightning", "torch", "torchmetrics"} <= roots
+    # transformers may come with torchmetrics itself; what lit_cancel's own modules would add must not
+    assert not roots & {"peft", "datasets", "jsonargparse", "safetensors"}
+    ours = {name for name in listing if name.startswith("lit_cancel")}
+    assert ours == {"lit_cancel", "lit_cancel.callbacks", *(f"lit_cancel.callbacks.{f}" for f in
+                    ("entropy_collapse", "learning_tax", "solution_drift", "token_flip"))}
+
+
+def test_every_public_name_resolves_and_is_listed():
+    for name in lit_cancel.__all__:
+        value = getattr(lit_cancel, name)
+        assert isinstance(value, dict) if name == "PRESETS" else value.__name__ == name
+    assert set(lit_cancel.__all__) <= set(dir(lit_cancel))
+    for base in ["AdvantageEstimator", "Clip", "Normaliser", "GroupTransform", "MiniBatchPlan", "Objective"]:
+        assert base in lit_cancel.__all__
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        lit_cancel.NoSuchThing
+    except AttributeError as error:
+        assert "no attribute 'NoSuchThing'" in str(error)
+    else:
+        raise AssertionError("lit_cancel.NoSuchThing resolved")
