@@ -148,10 +148,15 @@ class RolloutDataModule(TaskDataModule):
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        self.check_sizes(world, accumulation, fitting=stage == "fit")
+
+    def check_sizes(self, world: int, accumulation: int, fitting: bool) -> None:
+        """Raises ValueError when a round does not split over ``world`` processes and ``accumulation``
+        micro-batches per step, or, when ``fitting``, the task has fewer training prompts than a round."""
         if self.prompts_per_round % world:
             raise ValueError(f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world})")
         self.plan.check(self.prompts_per_round // world * self.group_size, self.group_size, self.mini_batches_per_round, accumulation)
-        if stage == "fit" and len(self.task.train_records()) < self.prompts_per_round:
+        if fitting and len(self.task.train_records()) < self.prompts_per_round:
             raise ValueError(
                 f"the task has {len(self.task.train_records())} training prompts, fewer than prompts_per_round={self.prompts_per_round}"
             )
