@@ -1,27 +1,151 @@
-"""The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links."""
+"""The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links, ``export`` and ``audit-objective``.
+
+A mistake found before training starts (an unknown option, a file that is missing or unreadable,
+a checkpoint of the wrong kind, sizes that do not fit) ends the command with a short message naming
+the option or file; ``LIT_CANCEL_DEBUG=1`` shows the whole traceback instead.
+"""
 
 import argparse
 import importlib
+import os
+import re
 import sys
 import tempfile
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit
+from lit_cancel.data import RolloutDataModule
+
+DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
+OTHER_COMMANDS = (
+    "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
+    "'lit-cancel audit-objective' measures the learning tax of an objective. Add --help to either for its options."
+)
+# ckpt_path values that Lightning resolves itself rather than reading a path
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
+# errors whose message is clear without the exception's type (jsonargparse's own, the project's checks)
+_MESSAGE_SAYS_ALL = (ValueError, TypeError, OSError, LookupError, ImportError, AttributeError, argparse.ArgumentError)
+
+
+class ConfigError(Exception):
+    """A mistake in the command line, the config or the files it names, found before training starts."""
+
+
+def explain(error: BaseException) -> str:
+    """One message from jsonargparse's nested errors: the option's dotted path, then the innermost message."""
+    path, last_class = [], None
+    while True:
+        first_line = str(error).partition("\n")[0]
+        key = re.match(r'Parser key "([^"]+)":', first_line)
+        class_path = re.fullmatch(r"Problem with given class_path '(.+)':", first_line)
+        if key and path[-1:] != [key[1]]:
+            path += ["init_args", key[1]] if last_class else [key[1]]
+            last_class = None
+        if class_path:
+            last_class = class_path[1]
+        cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        wraps = key or class_path or first_line.startswith("Does not validate against any of the Union subtypes")
+        if cause is None or not (wraps or str(cause).partition("\n")[0] == first_line):
+            break
+        error = cause
+    innermost = error
+    message = str(innermost) if isinstance(innermost, _MESSAGE_SAYS_ALL) else f"{type(innermost).__name__}: {innermost}"
+    if unknown := re.fullmatch(r"Option '(.+)' is not accepted", message):
+        option = ".".join(path + ["init_args", unknown[1]])
+        listed = f" (lit-cancel fit --{path[0]}.help {last_class} lists them)" if len(path) == 1 else ""
+        return f"{option}: {last_class} has no option {unknown[1]!r}{listed}"
+    if re.search(r"(--|')(optimizer|lr_scheduler)\b", message):
+        message += "; the optimizer and its schedule are options of the module: model.init_args.optimizer and model.init_args.lr_scheduler"
+    where = ".".join(path)
+    if last_class:
+        where += f" ({last_class})"
+    return f"{where}: {message}" if where else message
+
+
+def checkpoint_parameter_names(path: str) -> list[str]:
+    """The parameter names in a lit_cancel checkpoint: a ``.ckpt`` file or the folder a sharded run writes.
+
+    Raises ConfigError saying why when ``path`` is not such a checkpoint. A file is memory-mapped, not read.
+    """
+
+    def refuse(reason: str) -> ConfigError:
+        return ConfigError(f"not a lit_cancel checkpoint: {path} ({reason})")
+
+    location = Path(path)
+    if not location.exists():
+        raise refuse("no such file or folder")
+    if location.is_dir():
+        if not (location / ".metadata").is_file():
+            raise refuse("a folder without the .metadata file of a sharded checkpoint")
+        try:
+            keys = FileSystemReader(location).read_metadata().state_dict_metadata
+        except Exception as error:
+            raise refuse(f"its .metadata is unreadable: {error}") from error
+        names = [key.removeprefix("state_dict.") for key in keys if key.startswith("state_dict.")]
+    else:
+        if location.stat().st_size == 0:
+            raise refuse("empty file")
+        if not zipfile.is_zipfile(location):
+            raise refuse("not a file written by torch.save")
+        try:
+            checkpoint = torch.load(location, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as error:
+            raise refuse(f"torch.load failed: {str(error).partition(chr(10))[0]}") from error
+        state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+        if not isinstance(state, dict):
+            raise refuse("no state_dict: not written by a Lightning Trainer")
+        names = list(state)
+    if not any(name.startswith("policy.") for name in names):
+        raise refuse("no policy.* weights in its state_dict")
+    return names
+
+
+def check_checkpoint(path: str, lora: bool, option: str = "--ckpt_path") -> None:
+    """Raises ConfigError unless ``path`` is a lit_cancel checkpoint of the kind the config trains (LoRA or whole model)."""
+    holds_adapters = any(".lora_A." in name or ".lora_B." in name for name in checkpoint_parameter_names(path))
+    if holds_adapters and not lora:
+        raise ConfigError(
+            f"{option} {path} is a LoRA checkpoint (adapters only), but the config trains the whole model: "
+            "use a config with model.init_args.lora as the run had it (like configs/lora.yaml)"
+        )
+    if lora and not holds_adapters:
+        raise ConfigError(
+            f"{option} {path} is a whole-model checkpoint, but the config trains LoRA adapters: "
+            "use a config without model.init_args.lora (like configs/quickstart.yaml)"
+        )
 
 
 class LitCancelCLI(LightningCLI):
     """``LightningCLI`` in subclass mode.
 
-    Before ``fit`` starts from scratch (no ``--ckpt_path``), it validates once, so the held-out
-    accuracy of the starting policy is logged at step 0. ``--trainer.enable_progress_bar=false``
-    drops a progress bar that the config lists among the callbacks.
+    The subcommands are ``fit`` and ``validate`` (the held-out evaluation); the optimizer is the
+    module's ``optimizer`` argument only. Parse and instantiation errors, a ``--ckpt_path`` that is
+    not a checkpoint of the config's kind, and data sizes that do not fit the trainer are raised as
+    :class:`ConfigError`, all before training or the first validation starts. Before ``fit`` starts
+    from scratch (no ``--ckpt_path``), it validates once, so the held-out accuracy of the starting
+    policy is logged at step 0. ``--trainer.enable_progress_bar=false`` drops a progress bar that the
+    config lists among the callbacks.
     """
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def init_parser(self, **kwargs):
+        # parse errors are raised, and main() prints them short
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
@@ -29,8 +153,35 @@ class LitCancelCLI(LightningCLI):
             # Lightning refuses a progress bar callback with enable_progress_bar=False
             trainer.callbacks = [c for c in trainer.callbacks if not issubclass(_class(c.class_path), ProgressBar)]
 
+    def parse_arguments(self, parser, args) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as error:
+            raise ConfigError(explain(error)) from error
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and not (ckpt_path.startswith(_LIGHTNING_CKPT_NAMES) and not Path(ckpt_path).exists()):
+            check_checkpoint(ckpt_path, lora=self.config[subcommand].get("model.init_args.lora") is not None)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as error:
+            raise ConfigError(explain(error)) from error
+
     def before_fit(self) -> None:
-        if self.config.fit.get("ckpt_path") is None:
+        ckpt_path = self.config.fit.get("ckpt_path")
+        if isinstance(self.datamodule, RolloutDataModule):
+            objective = getattr(self.model, "objective", None)
+            try:
+                self.datamodule.check_sizes(self.trainer.world_size, self.trainer.accumulate_grad_batches, fitting=True,
+                                            objective=objective)
+                if ckpt_path and Path(ckpt_path).is_file():
+                    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+                    self.datamodule.check_resume(saved.get(type(self.datamodule).__qualname__, {}).get("run_shape", {}), objective)
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
+        if ckpt_path is None:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
 
@@ -50,6 +201,9 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
         # validation metrics updated under inference mode by the validation before fit could not
         # be updated again by fit's validation, which runs under no_grad
         trainer_defaults={"inference_mode": False},
+        # a top-level --optimizer would silently replace the module's
+        auto_configure_optimizers=False,
+        parser_kwargs={"epilog": OTHER_COMMANDS},
         args=args,
     )
 
@@ -71,29 +225,37 @@ def export(argv: list[str]) -> None:
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
     parser.add_argument("--output_dir", required=True, help="folder for save_pretrained")
     args = parser.parse_args(argv)
-    checkpoint = Path(args.ckpt_path)
-    if not checkpoint.exists():
-        raise SystemExit(f"lit-cancel export: --ckpt_path {args.ckpt_path!r} does not exist")
-    cli = LitCancelCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-        args=["--config", args.config, "--trainer.logger=false"],
-    )
-    state = _load_model_state(checkpoint)
+    checkpoint_parameter_names(args.ckpt_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # sys.argv is export's own
+        cli = LitCancelCLI(
+            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+            auto_configure_optimizers=False, args=["--config", args.config, "--trainer.logger=false"],
+        )
+    check_checkpoint(args.ckpt_path, lora=cli.model.lora is not None)
+    state = _load_model_state(Path(args.ckpt_path))
     missing, unexpected = cli.model.load_state_dict(state, strict=cli.model.lora is None)
     if unexpected:
-        raise SystemExit(f"lit-cancel export: {args.ckpt_path!r} does not fit the model of {args.config!r}: {unexpected[:5]}")
+        raise ConfigError(f"--ckpt_path {args.ckpt_path} does not fit the model of {args.config}: {unexpected[:5]}")
     cli.model.export(args.output_dir)
     print(f"saved {args.output_dir}")
 
 
 def main() -> None:
-    """The ``lit-cancel`` console script: LightningCLI's subcommands, ``audit-objective`` and ``export``."""
-    if sys.argv[1:2] == ["audit-objective"]:
-        sys.exit(audit.main(sys.argv[2:]))
-    if sys.argv[1:2] == ["export"]:
-        export(sys.argv[2:])
-        return
-    run_cli()
+    """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export`` and ``audit-objective``."""
+    command = sys.argv[1:2]
+    try:
+        if command == ["audit-objective"]:
+            sys.exit(audit.main(sys.argv[2:]))
+        if command == ["export"]:
+            export(sys.argv[2:])
+            return
+        run_cli()
+    except ConfigError as error:
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

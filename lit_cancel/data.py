@@ -139,10 +139,18 @@ class RolloutDataModule(TaskDataModule):
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        self.check_sizes(world, accumulation, fitting=stage == "fit", objective=self._objective())
+
+    def _objective(self) -> object:
+        return getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
+
+    def check_sizes(self, world: int, accumulation: int, fitting: bool, objective: object = None) -> None:
+        """Raises ValueError when a round does not split over ``world`` processes and ``accumulation``
+        micro-batches per step, when ``objective`` transforms whole groups that the plan splits, or,
+        when ``fitting``, the task has fewer training prompts than a round."""
         if self.prompts_per_round % world:
             raise ValueError(f"prompts_per_round={self.prompts_per_round} must be divisible by the number of processes ({world})")
         self.plan.check(self.prompts_per_round // world * self.group_size, self.group_size, self.mini_batches_per_round, accumulation)
-        objective = getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
         if getattr(objective, "group_transform", None) is not None and self.plan.splits_groups(self.mini_batches_per_round, accumulation):
             raise ValueError(
                 f"{type(objective).__name__} transforms the weights of each whole group, but the plan {type(self.plan).__name__} "
@@ -150,7 +158,7 @@ class RolloutDataModule(TaskDataModule):
                 f"puts a group's rollouts in different micro-batches, where the transform sees only part of the group and "
                 f"shared tokens stop cancelling: use the plan lit_cancel.QueryPreserved"
             )
-        if stage == "fit" and len(self.task.train_records()) < self.prompts_per_round:
+        if fitting and len(self.task.train_records()) < self.prompts_per_round:
             raise ValueError(
                 f"the task has {len(self.task.train_records())} training prompts, fewer than prompts_per_round={self.prompts_per_round}"
             )
@@ -269,9 +277,8 @@ class RolloutDataModule(TaskDataModule):
                 batches.append(batch)
         return batches
 
-    def run_shape(self) -> dict[str, object]:
+    def run_shape(self, objective: object) -> dict[str, object]:
         """The options a checkpoint's rollout state depends on, by their command-line names."""
-        objective = getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
         return {
             "data.init_args.group_size": self.group_size,
             "data.init_args.prompts_per_round": self.prompts_per_round,
@@ -281,12 +288,23 @@ class RolloutDataModule(TaskDataModule):
             "model.init_args.objective": _class_path(objective),
         }
 
+    def check_resume(self, saved_shape: dict[str, object], objective: object) -> None:
+        """Raises ValueError naming each option whose value differs from the checkpoint's, unless ``allow_resume_changes``."""
+        current = self.run_shape(objective)
+        changed = [f"{name} {saved_shape[name]!r} -> {value!r}" for name, value in current.items()
+                   if name in saved_shape and saved_shape[name] != value]
+        if changed and not self.allow_resume_changes:
+            raise ValueError(
+                f"the checkpoint was written by a run with other settings: {'; '.join(changed)} "
+                f"(resume with the checkpoint's settings, or pass --data.init_args.allow_resume_changes true)"
+            )
+
     def state_dict(self) -> dict:
         # micro-batches of an optimizer step that has not happened yet (a checkpoint written on an
         # exception or Ctrl-C in the middle of a step) are trained again after a resume
         unfinished = [b for step, b in self.in_flight if self.trainer is None or step == self.trainer.global_step]
         return {
-            "run_shape": self.run_shape(),
+            "run_shape": self.run_shape(self._objective()),
             "rounds_done": self.rounds_done,
             "prompt_draws": self.prompt_draws,
             "pending": [b.to_state() for b in unfinished + self.pending],
@@ -294,13 +312,7 @@ class RolloutDataModule(TaskDataModule):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved, current = state_dict.get("run_shape", {}), self.run_shape()
-        changed = [f"{name} {saved[name]!r} -> {value!r}" for name, value in current.items() if name in saved and saved[name] != value]
-        if changed and not self.allow_resume_changes:
-            raise ValueError(
-                f"the checkpoint was written by a run with other settings: {'; '.join(changed)} "
-                f"(resume with the checkpoint's settings, or pass --data.init_args.allow_resume_changes true)"
-            )
+        self.check_resume(state_dict.get("run_shape", {}), self._objective())
         self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
         self.pending = [RolloutBatch.from_state(s) for s in state_dict["pending"]]
         self.waiting = None if state_dict["waiting"] is None else RolloutBatch.from_state(state_dict["waiting"])

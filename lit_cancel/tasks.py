@@ -6,6 +6,7 @@ and drift probes. Two tasks ship: the embedded :class:`AdditionTask` and :class:
 GSM8K-style files read through ``datasets``.
 """
 
+import json
 import random
 import re
 from abc import ABC, abstractmethod
@@ -126,6 +127,29 @@ def final_number_reward(record: Record, completion: str) -> float:
     return float(predicted is not None and abs(predicted - record["answer_number"]) < 1e-6)
 
 
+def _unreadable_because(file: Path, error: Exception) -> str:
+    """Why ``datasets`` could not read ``file``: the first JSON line (or document) that does not parse, where there is one."""
+    if file.suffix == ".parquet":
+        return f"is not a readable parquet file ({error})"
+    text = file.read_text(errors="replace")
+    if not text.strip():
+        return "is empty; expected one JSON object per line"
+    if text.lstrip().startswith("["):
+        try:
+            if not json.loads(text):
+                return "holds an empty list; expected a list of JSON objects"
+        except json.JSONDecodeError as bad:
+            return f"is not valid JSON: line {bad.lineno} column {bad.colno}: {bad.msg}"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as bad:
+                return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}); expected one JSON object per line"
+    cause = error.__cause__ or error
+    return f"could not be read ({type(cause).__name__}: {cause})"
+
+
 class MathWordTask(Task):
     """GSM8K-style word problems from local jsonl, json or parquet files, read with ``datasets``.
 
@@ -177,7 +201,12 @@ class MathWordTask(Task):
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
         if builder is None:
             raise ValueError(f"MathWordTask: data file {path!r} must end in .jsonl, .json or .parquet")
-        rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+        try:
+            rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+        except Exception as error:
+            raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error)}") from error
+        if len(rows) == 0:
+            raise ValueError(f"MathWordTask: data file {path!r} has no rows")
         missing = [f for f in (self.question_field, self.answer_field) if f not in rows.column_names]
         if missing:
             raise ValueError(

@@ -1,10 +1,15 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
+from lit_cancel import cli
 from lit_cancel.cli import run_cli as main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -92,13 +97,15 @@ def startup_error(args: list[str], capsys) -> str:
 
 
 def test_unknown_config_key_fails_at_start(tmp_path, capsys):
-    assert "learning_rate" in startup_error(quick_args(tmp_path, 2, "--model.init_args.learning_rate=0.1"), capsys)
+    message = startup_error(quick_args(tmp_path, 2, "--model.init_args.learning_rate=0.1"), capsys)
+    assert "model.init_args.learning_rate: lit_cancel.RLModule has no option 'learning_rate'" in message
 
 
 def test_unknown_key_in_config_file_fails_at_start(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text((CONFIGS / "quickstart.yaml").read_text().replace("group_size: 8", "group_size: 8\n    groupsize: 4"))
-    assert "groupsize" in startup_error(["fit", "--config", str(config)], capsys)
+    message = startup_error(["fit", "--config", str(config)], capsys)
+    assert "data.init_args.groupsize: lit_cancel.RolloutDataModule has no option 'groupsize'" in message
 
 
 def test_missing_model_path_fails_at_start(tmp_path, capsys):
@@ -113,3 +120,144 @@ def test_group_size_below_two_fails_at_start(tmp_path, capsys):
 def test_sizes_that_do_not_divide_fail_at_start(tmp_path, capsys):
     message = startup_error(quick_args(tmp_path, 2, "--data.init_args.mini_batches_per_round=3"), capsys)
     assert "the 4 groups of a round (per process) must divide into mini_batches_per_round (3)" in message
+
+
+def console_error(monkeypatch, capsys, *args: str) -> list[str]:
+    """The stderr lines of the ``lit-cancel`` console script refusing ``args`` (exit status 2)."""
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *args])
+    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.init_args.model_path=no-model"], "error: model_path='no-model' does not exist; expected a local Hugging Face model folder"),
+        (["--model.init_args.model_path={tmp_path}"], "has no config.json; expected a local Hugging Face model folder"),
+        (["--model.init_args.objective.class_path=lit_cancel.GRPOO"],
+         "error: model.init_args.objective (lit_cancel.GRPOO): module 'lit_cancel' has no attribute 'GRPOO'"),
+        (["--model.init_args.objective.init_args.clip=0.1"], "error: model.init_args.objective.init_args.clip: lit_cancel.GRPO has no option 'clip'"),
+        (["--trainer.max_steps=two"], "error: trainer.max_steps: Expected a <class 'int'>. Got value: two"),
+        (["--optimizer=torch.optim.SGD", "--optimizer.lr=1000"], "the optimizer and its schedule are options of the module: model.init_args.optimizer"),
+    ],
+)
+def test_startup_mistake_ends_with_its_own_message(tmp_path, monkeypatch, capsys, args, message):
+    lines = console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, *(a.format(tmp_path=tmp_path) for a in args)))
+    assert message in lines[-1]
+    assert lines[-2] == "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)"
+    assert not any("Traceback" in line or "jsonargparse" in line for line in lines)
+
+
+def test_debug_variable_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *quick_args(tmp_path, 2, "--model.init_args.model_path=no-model")])
+    monkeypatch.setenv(cli.DEBUG_VARIABLE, "1")
+    with pytest.raises(cli.ConfigError) as refusal:
+        cli.main()
+    assert isinstance(refusal.value.__cause__.__cause__, FileNotFoundError)
+
+
+def test_top_level_optimizer_in_a_config_file_is_refused(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "optimizer.yaml"
+    config.write_text("optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 1000\n")
+    lines = console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, f"--config={config}"))
+    assert "'optimizer.init_args.lr'; the optimizer and its schedule are options of the module" in lines[-1]
+
+
+def test_test_subcommand_is_not_offered(monkeypatch, capsys):
+    lines = console_error(monkeypatch, capsys, "test", "--config", str(CONFIGS / "quickstart.yaml"))
+    assert lines[-1] == "error: argument subcommand: invalid choice: 'test' (choose from 'fit', 'validate')"
+
+
+def test_data_sizes_are_checked_before_the_first_validation(tmp_path, monkeypatch, capsys):
+    validations = []
+    monkeypatch.setattr(Trainer, "validate", lambda *args, **kwargs: validations.append(args))
+    lines = console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, "--data.init_args.task.init_args.train_size=3"))
+    assert lines[-1] == "error: the task has 3 training prompts, fewer than prompts_per_round=4"
+    assert validations == []
+
+
+def test_malformed_jsonl_is_named_with_its_line(tmp_path, monkeypatch, capsys, tiny_model_path, gsm8k_file):
+    rows = Path(gsm8k_file).read_text().splitlines()
+    rows[2] = rows[2][:-1]  # the closing brace of the third row
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(rows) + "\n")
+    lines = console_error(
+        monkeypatch, capsys, "fit", "--config", str(CONFIGS / "gsm8k-local.yaml"), f"--model.init_args.model_path={tiny_model_path}",
+        f"--data.init_args.task.init_args.train_file={broken}",
+    )
+    assert lines[-1].startswith(f"error: MathWordTask: data file '{broken}' line 3 is not valid JSON (")
+
+
+def test_help_lists_every_command():
+    help_text = subprocess.run(["lit-cancel", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ["fit", "validate", "lit-cancel export", "lit-cancel audit-objective"]:
+        assert command in help_text
+    assert "predict" not in help_text
+
+
+def test_console_script_prints_only_a_short_error(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    result = subprocess.run(
+        ["lit-cancel", *quick_args(tmp_path, 2, "--model.init_args.learning_rate=0.1")], capture_output=True, text=True, env=environment,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) <= 3, result.stderr
+    assert lines[-1].startswith("error: model.init_args.learning_rate: lit_cancel.RLModule has no option 'learning_rate'")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``last.ckpt`` of a one-step whole-model run and of a one-step LoRA run."""
+    folder = tmp_path_factory.mktemp("runs")
+    written = {}
+    for config in ["quickstart", "lora"]:
+        args = quick_args(folder, 1, "--trainer.val_check_interval=1")
+        args[2] = str(CONFIGS / f"{config}.yaml")
+        run = main(args)
+        written[config] = Path(run.trainer.logger.log_dir) / "checkpoints" / "last.ckpt"
+    return written
+
+
+def test_checkpoint_of_the_other_kind_is_named(tmp_path, monkeypatch, capsys, checkpoints):
+    lora, whole = checkpoints["lora"], checkpoints["quickstart"]
+    fit_whole = quick_args(tmp_path, 2, f"--ckpt_path={lora}")
+    assert console_error(monkeypatch, capsys, *fit_whole)[-1] == (
+        f"error: --ckpt_path {lora} is a LoRA checkpoint (adapters only), but the config trains the whole model: "
+        "use a config with model.init_args.lora as the run had it (like configs/lora.yaml)"
+    )
+    fit_lora = quick_args(tmp_path, 2, f"--ckpt_path={whole}")
+    fit_lora[2] = str(CONFIGS / "lora.yaml")
+    assert console_error(monkeypatch, capsys, *fit_lora)[-1].startswith(
+        f"error: --ckpt_path {whole} is a whole-model checkpoint, but the config trains LoRA adapters"
+    )
+    export = ["export", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={lora}", f"--output_dir={tmp_path / 'out'}"]
+    assert "is a LoRA checkpoint (adapters only)" in console_error(monkeypatch, capsys, *export)[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_sharded_checkpoint_folder_is_read_for_its_kind(tmp_path, monkeypatch, capsys, checkpoints):
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    torch_save_to_dcp(checkpoints["lora"], tmp_path / "sharded.ckpt")
+    validate = ["validate", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={tmp_path / 'sharded.ckpt'}"]
+    assert "sharded.ckpt is a LoRA checkpoint (adapters only)" in console_error(monkeypatch, capsys, *validate)[-1]
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [(b"", "empty file"), (bytes(range(256)) * 8, "not a file written by torch.save"), (None, "no state_dict: not written by a Lightning Trainer")],
+)
+def test_file_that_is_not_a_checkpoint_is_named(tmp_path, monkeypatch, capsys, content, reason):
+    path = tmp_path / "broken.ckpt"
+    if content is None:
+        torch.save({"weights": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(content)
+    expected = f"error: not a lit_cancel checkpoint: {path} ({reason})"
+    assert console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, f"--ckpt_path={path}"))[-1] == expected
+    export = ["export", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={path}", f"--output_dir={tmp_path / 'out'}"]
+    assert console_error(monkeypatch, capsys, *export)[-1] == expected

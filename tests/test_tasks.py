@@ -92,3 +92,22 @@ def test_math_word_task_names_bad_row(tmp_path):
 def test_math_word_task_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl' does not exist"):
         MathWordTask(train_file=str(tmp_path / "nope.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("empty.jsonl", "", "is empty; expected one JSON object per line"),
+        ("blank.jsonl", "\n\n", "is empty; expected one JSON object per line"),
+        ("rows.jsonl", '{"question": "q", "answer": "#### 1"}\n\n{"question": "q" "answer": "#### 2"}\n',
+         "line 3 is not valid JSON (Expecting ',' delimiter at column 18); expected one JSON object per line"),
+        ("rows.json", '[{"question": "q", "answer": "#### 1"},\n {"question": "q", "answer": "#### 2"]', "is not valid JSON: line 2 column 38: Expecting ',' delimiter"),
+        ("rows.json", "[]", "holds an empty list; expected a list of JSON objects"),
+    ],
+)
+def test_math_word_task_names_unreadable_file(tmp_path, name, text, reason):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as refusal:
+        MathWordTask(train_file=str(path), val_file=str(path))
+    assert str(refusal.value) == f"MathWordTask: data file {str(path)!r} {reason}"
