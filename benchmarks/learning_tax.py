@@ -33,7 +33,8 @@ def main() -> None:
             (log_dir,) = Path(save_dir, objective).glob("version_*")
             events = EventAccumulator(str(log_dir))
             events.Reload()
-            rows[objective] = {tag: [e.value for e in events.Scalars(tag)] for tag in ("health/learning_tax", "health/shared_kl", "val/accuracy")}
+            tags = ("health/learning_tax", "health/shared_kl", "val/accuracy")
+            rows[objective] = {tag: [e.value for e in events.Scalars(tag)] for tag in tags}
     quarter = args.steps // 4
     print(f"quickstart, {args.steps} steps; learning tax = uncancelled share of |credit| on shared tokens, per step\n")
     print(f"{'objective':<10}" + "".join(f"{f'tax {q * quarter + 1}-{(q + 1) * quarter}':>14}" for q in range(4))

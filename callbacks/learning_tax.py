@@ -240,7 +240,8 @@ class LearningTaxMonitor(Callback):
             raise ValueError(f"LearningTaxMonitor: action must be 'warn' or 'stop', got {action!r}")
         if log_every_n_steps < 1 or kl_every_n_steps < 0:
             raise ValueError(
-                f"LearningTaxMonitor: log_every_n_steps must be >= 1 and kl_every_n_steps >= 0, got {log_every_n_steps} and {kl_every_n_steps}"
+                "LearningTaxMonitor: log_every_n_steps must be >= 1 and kl_every_n_steps >= 0, "
+                f"got {log_every_n_steps} and {kl_every_n_steps}"
             )
         self.max_tax, self.action = max_tax, action
         self.log_every_n_steps, self.kl_every_n_steps = log_every_n_steps, kl_every_n_steps
@@ -322,7 +323,9 @@ class LearningTaxMonitor(Callback):
         if taxed and not self.taxed:
             self.alert_steps.append(self._step)
             where = "" if self.last_tax > self.max_tax else " on another process"
-            rank_zero_warn(f"LearningTaxMonitor at step {self._step}: learning tax{where} > max_tax={self.max_tax} (here {self.last_tax:.3f})")
+            rank_zero_warn(
+                f"LearningTaxMonitor at step {self._step}: learning tax{where} > max_tax={self.max_tax} (here {self.last_tax:.3f})"
+            )
         self.taxed = taxed
         if taxed and self.action == "stop":
             trainer.should_stop = True
@@ -356,5 +359,7 @@ class LearningTaxMonitor(Callback):
         logprobs = pl_module.next_token_logprobs(input_ids, attention_mask, positions)
         if not isinstance(logprobs, Tensor) or logprobs.dim() != 2 or len(logprobs) != len(positions):
             got = list(logprobs.shape) if isinstance(logprobs, Tensor) else type(logprobs).__name__
-            raise ValueError(f"LearningTaxMonitor needs next_token_logprobs(...) to return shape [N, V] with N = {len(positions)}, got {got}")
+            raise ValueError(
+                f"LearningTaxMonitor needs next_token_logprobs(...) to return shape [N, V] with N = {len(positions)}, got {got}"
+            )
         return logprobs

@@ -100,7 +100,9 @@ class SolutionProbabilityDriftMonitor(Callback):
         if probes is not None:
             self._check_probes(probes, "probes")
         if num_probes < 1 or every_n_steps < 1:
-            raise ValueError(f"SolutionProbabilityDriftMonitor: num_probes and every_n_steps must be >= 1, got {num_probes} and {every_n_steps}")
+            raise ValueError(
+                f"SolutionProbabilityDriftMonitor: num_probes and every_n_steps must be >= 1, got {num_probes} and {every_n_steps}"
+            )
         if not 0 < min_entropy_ratio < 1:
             raise ValueError(f"SolutionProbabilityDriftMonitor: min_entropy_ratio must be in (0, 1), got {min_entropy_ratio}")
         if action not in ("warn", "stop"):
@@ -138,7 +140,9 @@ class SolutionProbabilityDriftMonitor(Callback):
             logprobs = pl_module.sequence_logprobs(prompts, solutions)
         if not isinstance(logprobs, Tensor) or list(logprobs.shape) != [len(solutions)]:
             got = list(logprobs.shape) if isinstance(logprobs, Tensor) else type(logprobs).__name__
-            raise ValueError(f"SolutionProbabilityDriftMonitor needs sequence_logprobs(...) to return shape [N] = [{len(solutions)}], got {got}")
+            raise ValueError(
+                f"SolutionProbabilityDriftMonitor needs sequence_logprobs(...) to return shape [N] = [{len(solutions)}], got {got}"
+            )
         return logprobs.detach().float().cpu()
 
     def _preference(self, logprobs: Tensor) -> tuple[list[float], list[float]]:
@@ -158,7 +162,8 @@ class SolutionProbabilityDriftMonitor(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if not isinstance(pl_module, SequenceLogprobs):
             raise TypeError(
-                f"SolutionProbabilityDriftMonitor needs {type(pl_module).__name__}.sequence_logprobs(prompts, completions) -> [N]; it has none"
+                f"SolutionProbabilityDriftMonitor needs {type(pl_module).__name__}.sequence_logprobs(prompts, completions) -> [N]; "
+                "it has none"
             )
 
     @override
@@ -213,4 +218,5 @@ class SolutionProbabilityDriftMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.probes, self.start_logprobs, self.start_entropy = state_dict["probes"], state_dict["start_logprobs"], state_dict["start_entropy"]
+        self.probes, self.start_logprobs = state_dict["probes"], state_dict["start_logprobs"]
+        self.start_entropy = state_dict["start_entropy"]

@@ -231,7 +231,8 @@ class TokenFlipMonitor(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if not isinstance(pl_module, TokenLogprobs):
             raise TypeError(
-                f"TokenFlipMonitor needs {type(pl_module).__name__}.token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]; it has none"
+                f"TokenFlipMonitor needs {type(pl_module).__name__}.token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]; "
+                "it has none"
             )
         self._counts = {name: metric.to(pl_module.device) for name, metric in self._counts.items()}
 
@@ -268,7 +269,10 @@ class TokenFlipMonitor(Callback):
             completion_ids = fields["input_ids"][:, fields["prompt_length"] :]
             shared = shared_positions(completion_ids, mask, fields["group_ids"])
             advantages = fields["advantages"].unsqueeze(1)
-            splits = {"positive": mask & (advantages > 0), "negative": mask & (advantages < 0), "shared": mask & shared, "specific": mask & ~shared}
+            splits = {
+                "positive": mask & (advantages > 0), "negative": mask & (advantages < 0),
+                "shared": mask & shared, "specific": mask & ~shared,
+            }
             self._counts["abs_change"].update(delta.abs().sum())
             self._counts["tokens"].update(mask.sum())
             for split, where in splits.items():

@@ -32,7 +32,9 @@ from lit_cancel.objectives import Objective
 from lit_cancel.presets import PRESETS
 
 # the names presets had before they took their class names
-OLD_NAMES = {"grpo": "GRPO", "dr_grpo": "DrGRPO", "dapo": "DAPO", "gspo": "GSPO", "dfpo_min": "DFPOMin", "dfpo_orth": "DFPOOrth", "rloo": "RLOO"}
+OLD_NAMES = {
+    "grpo": "GRPO", "dr_grpo": "DrGRPO", "dapo": "DAPO", "gspo": "GSPO", "dfpo_min": "DFPOMin", "dfpo_orth": "DFPOOrth", "rloo": "RLOO",
+}
 # reported credits may differ from autograd's by this share of the largest credit (float32 rounding)
 CREDIT_RTOL = 1e-4
 

@@ -185,12 +185,8 @@ class RolloutDataModule(TaskDataModule):
         picked = []
         for position in range(first, first + per_rank):
             epoch, index = divmod(position, len(records))
-            picked.append(records[self._prompt_order(epoch, len(records))[index]])
+            picked.append(records[_permutation(len(records), self.seed + epoch)[index]])
         return picked
-
-    @functools.lru_cache(maxsize=2)
-    def _prompt_order(self, epoch: int, size: int) -> list[int]:
-        return torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def _seed(self, *keys: int) -> int:
         return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63
@@ -316,6 +312,11 @@ class RolloutDataModule(TaskDataModule):
         self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
         self.pending = [RolloutBatch.from_state(s) for s in state_dict["pending"]]
         self.waiting = None if state_dict["waiting"] is None else RolloutBatch.from_state(state_dict["waiting"])
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(size: int, seed: int) -> list[int]:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _class_path(value: object) -> str | None:

@@ -15,8 +15,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.hub import load_causal_lm, load_tokenizer
-from lit_cancel.lora import LoRA
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
+from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
 from lit_cancel.rollouts import score

@@ -28,7 +28,9 @@ class GRPO(PolicyGradient):
         entropy_coef: weight of the entropy bonus.
     """
 
-    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0, kl_estimator: str = "k3", scale_by_std: bool = True, entropy_coef: float = 0.0):
+    def __init__(
+        self, clip_eps: float = 0.2, kl_coef: float = 0.0, kl_estimator: str = "k3", scale_by_std: bool = True, entropy_coef: float = 0.0
+    ):
         super().__init__(
             advantage=GroupNormalised() if scale_by_std else MeanCentred(), ratio="token", clip=SymmetricClip(clip_eps),
             kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,

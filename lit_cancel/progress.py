@@ -44,10 +44,10 @@ class StepProgressBar(RichProgressBar):
         metrics: dict[str, str] | None = None,
         refresh_rate: int = 10,
         leave: bool = False,
-        theme: RichProgressBarTheme = RichProgressBarTheme(),
+        theme: RichProgressBarTheme | None = None,
         console_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
+        super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme or RichProgressBarTheme(), console_kwargs=console_kwargs)
         self.metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
         if not all(isinstance(label, str) and isinstance(name, str) and name for label, name in self.metrics.items()):
             raise ValueError(f"StepProgressBar: metrics must map labels to logged metric names, got {metrics!r}")

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lit_cancel.callbacks import learning_tax as tax_callback
+from lit_cancel.callbacks import token_flip
 
 from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, PolicyGradient, SequenceMean
 from lit_cancel.audit import SCENARIOS, audit, learning_tax, main, shared_positions
-from lit_cancel.callbacks import learning_tax as tax_callback
-from lit_cancel.callbacks import token_flip
 
 LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
 

@@ -9,11 +9,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, SolutionProbabilityDriftMonitor, TokenFlipMonitor
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_cancel.audit import learning_tax, shared_positions
-from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, SolutionProbabilityDriftMonitor, TokenFlipMonitor
 
 VOCAB = 12
 CALLBACKS_DIR = Path(__file__).parents[1] / "callbacks"
@@ -53,7 +53,9 @@ class BigramPolicy(L.LightningModule):
     def sequence_logprobs(self, prompts, completions):
         """Prompts and completions are token ids, or strings whose characters map to ``ord(c) % 12``; no EOS."""
         self._record()
-        ids = lambda piece: [ord(c) % VOCAB for c in piece] if isinstance(piece, str) else piece
+        def ids(piece):
+            return [ord(c) % VOCAB for c in piece] if isinstance(piece, str) else piece
+
         return torch.stack([
             self._logprobs(torch.tensor([ids(p) + ids(s)]), len(ids(p)))[0].sum() for p, s in zip(prompts, completions)
         ])

@@ -2,9 +2,27 @@ import pytest
 import torch
 
 from lit_cancel import (
-    DAPO, GRPO, GSPO, PRESETS, RLOO, AdvOrthogonal, AsymmetricClip, BatchNormalised, DFPOMin, DFPOOrth, DrGRPO,
-    DualClip, GroupNormalised, LeaveOneOut, MeanCentred, MinReplace, NoClip, PolicyGradient, RolloutBatch,
-    SymmetricClip, TokenMean,
+    DAPO,
+    GRPO,
+    GSPO,
+    PRESETS,
+    RLOO,
+    AdvOrthogonal,
+    AsymmetricClip,
+    BatchNormalised,
+    DFPOMin,
+    DFPOOrth,
+    DrGRPO,
+    DualClip,
+    GroupNormalised,
+    LeaveOneOut,
+    MeanCentred,
+    MinReplace,
+    NoClip,
+    PolicyGradient,
+    RolloutBatch,
+    SymmetricClip,
+    TokenMean,
 )
 from lit_cancel.audit import learning_tax
 from lit_cancel.objectives import kl_estimate

@@ -8,9 +8,9 @@ import pytest
 import rich
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lit_cancel.callbacks import RolloutSamplesLogger
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
-from lit_cancel.callbacks import RolloutSamplesLogger
 from lit_cancel.cli import LitCancelCLI
 from lit_cancel.progress import StepProgressBar
 

@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_cancel import AdditionTask, GRPO, RLModule, RolloutDataModule
+from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.rollouts import encode_prompts
 
 

@@ -7,12 +7,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lit_cancel.callbacks import RolloutSamplesLogger
+from lit_cancel.callbacks.rollout_samples import markdown_cell
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugin_util import markdown_to_safe_html
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
-from lit_cancel.callbacks import RolloutSamplesLogger
-from lit_cancel.callbacks.rollout_samples import markdown_cell
 
 TASK = AdditionTask(num_digits=3, train_size=64, val_size=8, seed=0)
 
@@ -65,7 +65,7 @@ def test_samples_hold_the_step_rollouts_and_sit_at_the_step_of_its_reward_scalar
     assert sorted(texts) == samples.logged_steps == [0, 2]
     reward_scalar = {e.step: e.value for e in events.Scalars("rollout/reward_mean")}
     for step, text in texts.items():
-        batch, rows = batches[step], table_rows(texts[step])
+        batch, rows = batches[step], table_rows(text)
         assert len(rows) == 8
         completions = batch.input_ids[:, batch.prompt_length :].masked_fill(batch.completion_mask == 0, module.tokenizer.pad_token_id)
         expected = module.tokenizer.batch_decode(completions, skip_special_tokens=True)
