@@ -112,6 +112,25 @@ def test_a_learning_rate_that_diverges_stops_after_max_skipped_steps_with_advice
     assert module.skipped_steps == 3 and module.trainer.global_step == 3  # the third skipped step raised
 
 
+class InfiniteGradientGRPO(GRPO):
+    """GRPO plus a term whose value is 0 but whose gradient is not finite (d sqrt(x) / dx at x = 0)."""
+
+    def __call__(self, logprobs, batch):
+        out = super().__call__(logprobs, batch)
+        out.loss = out.loss + (logprobs.sum() * 0).abs().sqrt()
+        return out
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped_too():
+    module = RLModule("embedded:tiny-adder", max_new_tokens=40, objective=InfiniteGradientGRPO(), max_skipped_steps=2)
+    weights = WeightsAroundSteps()
+    data = RolloutDataModule(small_task(), prompts_per_round=2, group_size=4)
+    with pytest.warns(UserWarning, match="step 0: the gradient norm is not finite"), \
+            pytest.raises(FloatingPointError, match="gradient norm was not finite in 2 optimizer steps in a row"):
+        make_trainer(5, [weights]).fit(module, datamodule=data)
+    assert len(weights.after) == 1 and torch.equal(weights.after[0], weights.before[0])
+
+
 def test_an_objective_refuses_a_batch_without_the_step_counts():
     batch = RolloutBatch(
         input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
