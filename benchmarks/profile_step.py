@@ -19,13 +19,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, write_model  # benchmarks/ is on the path when run as a script
 
 import lit_cancel.rollouts
 from lit_cancel import GRPO, RLModule, RolloutDataModule
 from lit_cancel.tasks import AdditionTask
 from lit_cancel.tokenizer import build_char_tokenizer
-
-from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, write_model  # noqa: E402  (run from the repository root)
 
 PARTS = ["prefill", "decode", "reward", "advantages", "old/ref log-probs", "training forward", "backward", "optimizer", "other"]
 
