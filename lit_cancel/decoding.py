@@ -84,10 +84,12 @@ def sample_completions(
     batch, prompt_length = input_ids.shape
     rows = batch * num_samples
     positions = position_ids_from_mask(attention_mask)
+    # without left padding every mask is all ones: the model's causal masking alone is the same, and cheaper
+    padded = not bool(attention_mask.all())
     cache = DynamicCache()
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-        use_cache=True, logits_to_keep=1,
+        input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
     ).logits[:, -1]
     cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
@@ -98,7 +100,7 @@ def sample_completions(
     active = torch.arange(rows, device=input_ids.device)  # the rows of `sequences` still in the batch
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # per row of the batch
     length = prompt_length
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         scores = processors(sequences[active, :length], logits.float())
         tokens = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
         tokens = tokens.masked_fill(finished, pad_token_id)
@@ -106,7 +108,7 @@ def sample_completions(
         length += 1
         finished = finished | (tokens == eos_token_id)
         done = int(finished.sum())
-        if done == len(active):
+        if done == len(active) or step == max_new_tokens - 1:
             break
         if done >= _COMPACT_SHARE * len(active):
             keep = torch.nonzero(~finished).squeeze(1)
@@ -116,6 +118,7 @@ def sample_completions(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         logits = model(
-            input_ids=tokens[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+            input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position,
+            past_key_values=cache, use_cache=True,
         ).logits[:, -1]
     return sequences[:, :length]
