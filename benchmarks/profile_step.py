@@ -1,6 +1,6 @@
 """Where the time of one lit_cancel GRPO step goes, on the work of ``benchmarks/vs_trl.py``.
 
-    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false]
+    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--threads N]
 
 Wraps the module's parts with timers inside a normal ``Trainer.fit`` and prints the median
 milliseconds per step of each: rollout prefill and decode (model forwards over whole prompts, and
@@ -10,6 +10,7 @@ batching, logging). ``--decode-loop false`` samples with Hugging Face ``generate
 """
 
 import argparse
+import resource
 import statistics
 import tempfile
 import time
@@ -80,7 +81,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-loop", default="true", choices=["true", "false"])
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hidden, blocks, mlp, heads, new_tokens, checkpointing = ROWS[args.row]
     watch = Stopwatch()
     with tempfile.TemporaryDirectory() as scratch:
@@ -131,7 +135,8 @@ def main() -> None:
     total = statistics.median(s["total"] for s in steps)
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"
     print(f"{params / 1e6:.1f} M params, {new_tokens} tokens, checkpointing {'on' if checkpointing else 'off'}, {sampler}: "
-          f"median of {len(steps)} steps, {total * 1000:.0f} ms per step\n")
+          f"median of {len(steps)} steps, {total * 1000:.0f} ms per step, {torch.get_num_threads()} threads, "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB\n")
     print("| part | ms per step | share |")
     print("|---|---|---|")
     for part in PARTS:
