@@ -101,7 +101,8 @@ def sample_completions(
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # per row of the batch
     length = prompt_length
     for step in range(max_new_tokens):
-        scores = processors(sequences[active, :length], logits.float())
+        so_far = sequences[:, :length] if len(active) == rows else sequences[active, :length]
+        scores = processors(so_far, logits.float())
         tokens = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
         tokens = tokens.masked_fill(finished, pad_token_id)
         sequences[active, length] = tokens
@@ -115,7 +116,8 @@ def sample_completions(
             cache.batch_select_indices(keep)
             active, tokens, mask, position = active[keep], tokens[keep], mask[keep], position[keep]
             finished = finished[keep]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if padded:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         logits = model(
             input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position,
