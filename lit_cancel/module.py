@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -64,6 +65,24 @@ def _padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, T
     return ids, mask
 
 
+_SET_ELSEWHERE = {
+    "do_sample": "greedy or not is chosen per call", "max_new_tokens": "use max_new_tokens",
+    "num_return_sequences": "the group size is the datamodule's", "temperature": "use temperature", "top_p": "use top_p",
+    "pad_token_id": "the tokenizer's is used", "eos_token_id": "the tokenizer's is used",
+}
+
+
+def checked_generation_kwargs(generation_kwargs: dict) -> dict:
+    """``generation_kwargs`` if every key is a ``GenerationConfig`` option not set by another module option; else ValueError."""
+    defaults = GenerationConfig()
+    for key in generation_kwargs:
+        if key in _SET_ELSEWHERE:
+            raise ValueError(f"generation_kwargs: {key!r} is set by the module ({_SET_ELSEWHERE[key]})")
+        if not hasattr(defaults, key):
+            raise ValueError(f"generation_kwargs: {key!r} is not a transformers GenerationConfig option")
+    return dict(generation_kwargs)
+
+
 def _generate(model: nn.Module, **kwargs) -> Tensor:
     return model.generate(**kwargs)
 
@@ -99,6 +118,10 @@ class PolicyModule(L.LightningModule):
         lora: train LoRA adapters (peft) instead of the whole model.
         activation_checkpointing: recompute each transformer block's activations in the backward
             pass instead of keeping them (Hugging Face gradient checkpointing).
+        generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
+            ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
+        decode_loop: sample with lit_cancel's decode loop (one prefill per prompt, see
+            :mod:`lit_cancel.decoding`) where the model and ``generation_kwargs`` allow it; else ``generate``.
     """
 
     def __init__(
@@ -115,8 +138,12 @@ class PolicyModule(L.LightningModule):
         from_scratch: bool = False,
         lora: LoRA | None = None,
         activation_checkpointing: bool = False,
+        generation_kwargs: dict | None = None,
+        decode_loop: bool = True,
     ):
         super().__init__()
+        self.generation_kwargs = checked_generation_kwargs(generation_kwargs or {})
+        self.decode_loop = decode_loop
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -146,23 +173,10 @@ class PolicyModule(L.LightningModule):
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
         """Samples ``num_samples`` completions of each left-padded prompt with ``generate``, stopping at EOS."""
-        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        config = GenerationConfig(
-            do_sample=not greedy,
-            max_new_tokens=self.max_new_tokens,
-            num_return_sequences=num_samples,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            **sampling,
-        )
         was_training = self.policy.training
         self.policy.eval()
         with gathered(self.policy):
-            sequences = self.policy(
-                _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                # FSDP (v1) gathers per forward: every process must keep stepping until all are done
-                synced_gpus=isinstance(self.policy, FullyShardedDataParallel),
-            )
+            sequences = self._sample(input_ids, attention_mask, num_samples, greedy)
         self.policy.train(was_training)
 
         prompt_length = input_ids.shape[1]
@@ -178,6 +192,28 @@ class PolicyModule(L.LightningModule):
             completion_mask=completion_mask.long(),
             prompt_length=prompt_length,
             texts=self.tokenizer.batch_decode(completions, skip_special_tokens=True),
+        )
+
+    def _sample(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Tensor:
+        # FSDP (v1) gathers per forward: every process must keep stepping until all are done, which generate does
+        v1_sharded = isinstance(self.policy, FullyShardedDataParallel)
+        if self.decode_loop and not v1_sharded and supports_decode_loop(self.policy.model, self.generation_kwargs):
+            processors = logits_processors(self.generation_kwargs, self.temperature, self.top_p, greedy)
+            return self.policy(
+                sample_completions, input_ids, attention_mask, num_samples, self.max_new_tokens,
+                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, processors, greedy,
+            )
+        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        config = GenerationConfig(
+            do_sample=not greedy,
+            max_new_tokens=self.max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **{**sampling, **self.generation_kwargs},
+        )
+        return self.policy(
+            _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=v1_sharded
         )
 
     def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,126 @@
+"""Sampling completions with a KV cache: one prefill per prompt, shared by its samples, and a plain decode loop.
+
+``generate`` runs the prompt through the model once per returned sequence and spends a few
+milliseconds per step on bookkeeping that a fixed sampling recipe does not need. The loop here
+prefills each prompt once, repeats its cache for its samples, and drops finished rows from the
+batch so that tokens after EOS cost nothing. It samples exactly as ``generate`` does (the same logits
+processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens.
+
+Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and generation options
+outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
+"""
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from lit_cancel.logprobs import position_ids_from_mask
+
+DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+DECODE_LOOP_OPTIONS = frozenset({"suppress_tokens", "top_k", "min_p"})
+# a finished row leaves the batch once this share of the rows still decoding has finished
+_COMPACT_SHARE = 0.25
+
+
+def supports_decode_loop(model: nn.Module, generation_kwargs: dict) -> bool:
+    """Whether :func:`sample_completions` can serve ``model`` with these extra generation options."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in DECODE_LOOP_MODEL_TYPES and set(generation_kwargs) <= DECODE_LOOP_OPTIONS
+
+
+def logits_processors(generation_kwargs: dict, temperature: float, top_p: float, greedy: bool) -> LogitsProcessorList:
+    """The processors ``generate`` builds for these options, in its order (processors, then sampling warpers)."""
+    processors = LogitsProcessorList()
+    if generation_kwargs.get("suppress_tokens") is not None:
+        processors.append(SuppressTokensLogitsProcessor(generation_kwargs["suppress_tokens"]))
+    if greedy:
+        return processors
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if generation_kwargs.get("top_k"):
+        processors.append(TopKLogitsWarper(generation_kwargs["top_k"]))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    if generation_kwargs.get("min_p") is not None:
+        processors.append(MinPLogitsWarper(generation_kwargs["min_p"]))
+    return processors
+
+
+@torch.no_grad()
+def sample_completions(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    num_samples: int,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    processors: LogitsProcessorList,
+    greedy: bool = False,
+) -> Tensor:
+    """``[B * n, P + C]`` prompts followed by sampled completions, as ``generate(num_return_sequences=n)`` returns them.
+
+    Row ``i * n + k`` is sample ``k`` of prompt ``i``; after its EOS a row holds ``pad_token_id``;
+    ``C <= max_new_tokens`` is the longest completion.
+
+    Args:
+        model: a Hugging Face causal LM whose forward takes ``position_ids``, ``past_key_values`` and ``logits_to_keep``.
+        input_ids: ``[B, P]`` left-padded prompts.
+        attention_mask: ``[B, P]``.
+        num_samples: completions per prompt (``n``).
+        max_new_tokens: longest completion.
+        eos_token_id: the token that ends a completion.
+        pad_token_id: written after EOS.
+        processors: applied to each step's logits (see :func:`logits_processors`).
+        greedy: take the most likely token instead of sampling.
+    """
+    batch, prompt_length = input_ids.shape
+    rows = batch * num_samples
+    positions = position_ids_from_mask(attention_mask)
+    # without left padding every mask is all ones: the model's causal masking alone is the same, and cheaper
+    padded = not bool(attention_mask.all())
+    cache = DynamicCache()
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    ).logits[:, -1]
+    cache.batch_repeat_interleave(num_samples)
+    logits = logits.repeat_interleave(num_samples, dim=0)
+    mask = attention_mask.repeat_interleave(num_samples, dim=0)
+    position = positions[:, -1:].repeat_interleave(num_samples, dim=0)
+    sequences = torch.full((rows, prompt_length + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    sequences[:, :prompt_length] = input_ids.repeat_interleave(num_samples, dim=0)
+    active = torch.arange(rows, device=input_ids.device)  # the rows of `sequences` still in the batch
+    finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # per row of the batch
+    length = prompt_length
+    for step in range(max_new_tokens):
+        so_far = sequences[:, :length] if len(active) == rows else sequences[active, :length]
+        scores = processors(so_far, logits.float())
+        tokens = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        tokens = tokens.masked_fill(finished, pad_token_id)
+        sequences[active, length] = tokens
+        length += 1
+        finished = finished | (tokens == eos_token_id)
+        done = int(finished.sum())
+        if done == len(active) or step == max_new_tokens - 1:
+            break
+        if done >= _COMPACT_SHARE * len(active):
+            keep = torch.nonzero(~finished).squeeze(1)
+            cache.batch_select_indices(keep)
+            active, tokens, mask, position = active[keep], tokens[keep], mask[keep], position[keep]
+            finished = finished[keep]
+        if padded:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        position = position + 1
+        logits = model(
+            input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position,
+            past_key_values=cache, use_cache=True,
+        ).logits[:, -1]
+    return sequences[:, :length]
