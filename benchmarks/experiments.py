@@ -145,9 +145,11 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
         if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting
             for arm in ("GRPO", "GSPO", "DrGRPO", "DFPOMin", "DFPOOrth"):
                 runs.append(Run(name, arm, "s24v8-mu2", seed, (*knobs(24, 8), *objective(arm), *off_policy(2, 2), *budget(60, 1e-4))))
-        elif name == "E2":  # dose-response: GRPO and DFPOMin over scaffold x spread, on-policy
+        elif name == "E2":  # dose-response: GRPO and DFPOMin over scaffold x spread, on-policy, 8 prompts x 8 per step
             for scaffold, spread, arm in itertools.product(E2_SCAFFOLDS, E2_SPREADS, ("GRPO", "DFPOMin")):
-                runs.append(Run(name, arm, f"s{scaffold}v{spread}", seed, (*knobs(scaffold, spread), *objective(arm), *budget(60, 2e-4))))
+                runs.append(Run(name, arm, f"s{scaffold}v{spread}", seed, (
+                    *knobs(scaffold, spread), *objective(arm), "--data.init_args.prompts_per_round=8", *budget(40, 2e-4),
+                )))
         elif name == "E3":  # token flipping under GRPO on-policy (the config measures every 10 steps)
             runs.append(Run(name, "GRPO", "s24v8", seed, (*knobs(24, 8), *objective("GRPO"), *budget(60, 2e-4))))
         elif name == "E4":  # batching plans at mu = 1, 2, 4 with GRPO

@@ -104,8 +104,9 @@ class AdditionTask(Task):
 
 
 # what a solution restates before its steps, and what a verbose solution adds after each step
-SCAFFOLD_TEXT = "we add the digits from the right, one column at a time, and carry the tens; "
-VERBOSE_TEXT = " so we write the last digit and carry the rest"
+# (no spaces: the character tokenizer drops them; no digits, ",", "|": they are the steps' syntax)
+SCAFFOLD_TEXT = "we-add-the-digits-from-the-right-one-column-at-a-time-and-carry-the-tens:"
+VERBOSE_TEXT = ";so-we-write-the-last-digit-and-carry-the-rest"
 
 
 class ScaffoldedAdditionTask(AdditionTask):
@@ -118,8 +119,8 @@ class ScaffoldedAdditionTask(AdditionTask):
     equally correct solutions of one problem differ in length by ``num_digits * spread``
     characters. With ``scaffold=16, spread=6``::
 
-        we add the digit7+5+0=12 so we,4+8+1=13 so we,0+3+1=4 so we|432     (verbose)
-        we add the digit5+7+0=12,8+4+1=13,3+0+1=4|432                        (terse)
+        we-add-the-digit7+5+0=12;so-we,4+8+1=13;so-we,0+3+1=4;so-we|432     (verbose)
+        we-add-the-digit5+7+0=12,8+4+1=13,3+0+1=4|432                        (terse)
 
     Operands of a step may be written in either order, as in :class:`AdditionTask`, so a problem
     has ``2**num_digits`` equivalent solutions of each length. Only the number after the last ``|``

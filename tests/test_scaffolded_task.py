@@ -14,8 +14,8 @@ def record(scaffold: int, spread: int) -> dict:
 def test_solutions_are_written_as_documented():
     task = ScaffoldedAdditionTask(scaffold=16, spread=6, train_size=10, val_size=2)
     example = record(16, 6)
-    assert task.solution(example, [False, False, False], verbose=True) == "we add the digit7+5+0=12 so we,4+8+1=13 so we,0+3+1=4 so we|432"
-    assert task.solution(example, [True, True, True]) == "we add the digit5+7+0=12,8+4+1=13,3+0+1=4|432"
+    assert task.solution(example, [False, False, False], verbose=True) == "we-add-the-digit7+5+0=12;so-we,4+8+1=13;so-we,0+3+1=4;so-we|432"
+    assert task.solution(example, [True, True, True]) == "we-add-the-digit5+7+0=12,8+4+1=13,3+0+1=4|432"
     assert len(task.solutions(example)) == 16  # 8 operand orders x terse/verbose
     assert len(task.solutions(record(16, 0))) == 8  # no verbose style without spread
     assert task.val_records()[0]["prompt"].startswith("s16v6:")
@@ -24,11 +24,11 @@ def test_solutions_are_written_as_documented():
 @pytest.mark.parametrize(
     "completion, reward",
     [
-        ("we add the digit7+5+0=12 so we,4+8+1=13 so we,0+3+1=4 so we|432", 1.0),
-        ("we7+5+0=12,4+8+1=13|432", 1.0),  # only the answer is verified
-        ("we add the digit7+5+0=12,4+8+1=13,0+3+1=4|431", 0.0),
-        ("we add the digit7+5+0=12,4+8+1=13,0+3+1=4|432 so", 0.0),  # rambling after the answer
-        ("we add the digit7+5+0=12,4+8+1=13,0+3+1=4", 0.0),  # no answer
+        ("we-add-the-digit7+5+0=12;so-we,4+8+1=13;so-we,0+3+1=4;so-we|432", 1.0),
+        ("we-7+5+0=12,4+8+1=13|432", 1.0),  # only the answer is verified
+        ("we-add-the-digit7+5+0=12,4+8+1=13,0+3+1=4|431", 0.0),
+        ("we-add-the-digit7+5+0=12,4+8+1=13,0+3+1=4|432;so", 0.0),  # rambling after the answer
+        ("we-add-the-digit7+5+0=12,4+8+1=13,0+3+1=4", 0.0),  # no answer
         ("", 0.0),
     ],
 )
@@ -56,6 +56,7 @@ def test_knobs_set_the_shared_prefix_and_the_length_spread(scaffold, spread):
         else:
             assert int(shared[0].sum()) > scaffold
         assert solutions[0].startswith(SCAFFOLD_TEXT[:scaffold])
+        assert all(len(row) == len(s) for row, s in zip(ids, solutions))  # one token per character, none dropped
         lengths = [len(s) for s in solutions]
         assert max(lengths) - min(lengths) == 3 * spread
 
