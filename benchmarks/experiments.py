@@ -16,11 +16,13 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,12 +183,13 @@ def scalars(log_dir: Path) -> dict[str, list[list[float]]]:
     return {tag: [[e.step, float(f"{e.value:.6g}")] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def execute(run: Run) -> None:
+def execute(run: Run, threads: int | None = None) -> None:
     """Runs ``run`` through the CLI and writes its JSON (config, command, wall time, scalars)."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     with tempfile.TemporaryDirectory() as save_dir:
         command = run.command(save_dir)
         started = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        result = subprocess.run(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wall = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError(f"{run.path.name}: lit-cancel failed:\n{result.stderr[-3000:]}")
@@ -205,6 +208,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of each run; 1 is much faster on cores shared with other work")
     parser.add_argument("--list", action="store_true", help="print done and missing runs, run nothing")
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the stored JSON")
     args = parser.parse_args()
@@ -216,9 +222,10 @@ def main() -> None:
             print(f"{name}: {done}/{sum(1 for r in runs if r.experiment == name)} runs done")
         return
     if not args.report:
-        for index, run in enumerate(missing[: args.max_runs]):
-            execute(run)
-            print(f"[{index + 1}/{len(missing[: args.max_runs])}] {run.path.relative_to(ROOT)}", flush=True)
+        todo = missing[: args.max_runs]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
+                print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)
     from experiments_report import write_report
 
     write_report()

@@ -79,9 +79,13 @@ def cell(runs: dict[int, dict[str, float]], key: str, digits: int = 3) -> str:
     return _interval(*mean_interval(values), digits)
 
 
+MIN_SEEDS = 5  # fewer paired seeds than this: the comparison is reported as inconclusive, whatever its interval
+
+
 def difference(a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3) -> str:
     mean, half, pairs = paired_difference({s: r[key] for s, r in a.items()}, {s: r[key] for s, r in b.items()})
-    return f"{_interval(mean, half, digits)} ({verdict(mean, half)}, n={pairs})"
+    call = verdict(mean, half) if pairs >= MIN_SEEDS else "inconclusive"
+    return f"{_interval(mean, half, digits)} ({call}, n={pairs})"
 
 
 def e1_section(runs: dict) -> list[str]:
@@ -124,7 +128,9 @@ def e2_section(runs: dict) -> list[str]:
         for knob, unit in (("scaffold", "per 10 scaffold characters"), ("spread", "per 4 spread characters per step")):
             scale = 10 if knob == "scaffold" else 4
             slope, half = slope_interval([x for x, _ in gaps[knob]], [y for _, y in gaps[knob]])
-            lines.append(f"* {knob}: {_interval(slope * scale, half * scale)} {unit} ({verdict(slope, half)})")
+            seeds = len(gaps[knob]) // len({x for x, _ in gaps[knob]})
+            call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
+            lines.append(f"* {knob}: {_interval(slope * scale, half * scale)} {unit} ({call}, {len(gaps[knob])} paired runs)")
     return lines
 
 
@@ -160,6 +166,7 @@ def e5_section(runs: dict) -> list[str]:
     return lines
 
 
+TITLES = {"E1": "E1 exchangeability", "E2": "E2 dose-response", "E3": "E3 token flipping", "E4": "E4 batching plans", "E5": "E5 group size"}
 SECTIONS = {"E1": e1_section, "E2": e2_section, "E3": e3_section, "E4": e4_section, "E5": e5_section}
 
 
@@ -204,7 +211,7 @@ def write_report() -> None:
     lines = [BEGIN, ""]
     for name, section in SECTIONS.items():
         if name not in results:
-            lines += [f"### {name}", "", "Not run yet.", ""]
+            lines += [f"### {TITLES[name]}", "", "Not run yet.", ""]
             continue
         runs = dict(results[name])
         lines += section(runs) + [""]
@@ -218,4 +225,4 @@ def write_report() -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
     DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}")
+    print(f"wrote {DOC}")
