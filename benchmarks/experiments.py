@@ -112,7 +112,7 @@ class Run:
     def command(self, save_dir: str) -> list[str]:
         return [
             "lit-cancel", "fit", "--config", CONFIG, f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}",
-            "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_progress_bar=false",
             f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.logger.init_args.name=run",
             *self.overrides,
         ]

@@ -74,3 +74,19 @@ def test_list_knobs_draw_a_setting_per_problem_and_the_splits_do_not_depend_on_t
 def test_bad_knobs_fail_naming_the_option(options, name):
     with pytest.raises(ValueError, match=f"ScaffoldedAdditionTask: {name} must be"):
         ScaffoldedAdditionTask(**options)
+
+
+def test_scaffold_config_trains_the_embedded_model_and_logs_the_tax(tmp_path):
+    from lit_cancel.cli import run_cli
+
+    cli = run_cli([
+        "fit", "--config", "configs/scaffold.yaml", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
+        "--data.init_args.prompts_per_round=2", "--data.init_args.group_size=4",
+        "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=1",
+        "--trainer.callbacks+=lit_cancel.callbacks.LearningTaxMonitor",
+    ])
+    assert cli.trainer.global_step == 2
+    assert isinstance(cli.datamodule.task, ScaffoldedAdditionTask) and cli.datamodule.task.scaffolds == [24]
+    (monitor,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "LearningTaxMonitor"]
+    assert monitor.last_tax is not None and 0 <= monitor.last_tax <= 1
