@@ -207,6 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
+    parser.add_argument("--settings", nargs="+", help="only these settings, e.g. s24v8 s0v0")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
     parser.add_argument("--threads", type=int, default=None,
@@ -215,6 +216,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the stored JSON")
     args = parser.parse_args()
     runs = [run for name in args.only for run in experiment_runs(name, list(range(args.seeds)))]
+    if args.settings:
+        runs = [run for run in runs if run.setting in args.settings]
     missing = [run for run in runs if not run.path.exists()]
     if args.list:
         for name in args.only:
