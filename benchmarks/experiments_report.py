@@ -89,7 +89,7 @@ def difference(a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3
 
 
 def e1_section(runs: dict) -> list[str]:
-    lines = ["### E1 exchangeability (μ = 2)", "",
+    lines = ["#### E1 exchangeability (μ = 2)", "",
              "| objective | seeds | final `val/accuracy` | − GRPO (paired) | learning tax | shared-context KL | entropy ratio (end) "
              "| preference entropy (end) | steps to +0.10 (reached) |", "|---|---|---|---|---|---|---|---|---|"]
     reference = runs.get(("GRPO", "s24v8-mu2"), {})
@@ -104,9 +104,10 @@ def e1_section(runs: dict) -> list[str]:
 
 
 def e2_section(runs: dict) -> list[str]:
-    lines = ["### E2 dose-response (on-policy)", "",
-             "| scaffold | spread | seeds | tax GRPO | tax DFPOMin | `val/accuracy` start | GRPO end | DFPOMin end | DFPOMin − GRPO (paired) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["#### E2 dose-response (on-policy)", "",
+             "| scaffold | spread | seeds | tax GRPO | tax DFPOMin | completion length GRPO / DFPOMin | `val/accuracy` start | GRPO end "
+             "| DFPOMin end | DFPOMin − GRPO (paired) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     gaps: dict[str, list[tuple[float, float]]] = {"scaffold": [], "spread": []}
     for scaffold in E2_SCAFFOLDS:
         for spread in E2_SPREADS:
@@ -116,6 +117,7 @@ def e2_section(runs: dict) -> list[str]:
                 continue
             lines.append(
                 f"| {scaffold} | {spread} | {min(len(grpo), len(dfpo))} | {cell(grpo, 'tax', 4)} | {cell(dfpo, 'tax', 4)} "
+                f"| {cell(grpo, 'completion_len', 1)} / {cell(dfpo, 'completion_len', 1)} "
                 f"| {cell({**grpo, **dfpo}, 'val_start')} | {cell(grpo, 'val_end')} | {cell(dfpo, 'val_end')} "
                 f"| {difference(dfpo, grpo, 'val_end')} |"
             )
@@ -135,7 +137,7 @@ def e2_section(runs: dict) -> list[str]:
 
 
 def e3_section(runs: dict) -> list[str]:
-    lines = ["### E3 token flipping (GRPO, on-policy)", "", "| rollouts | boosted | suppressed |", "|---|---|---|"]
+    lines = ["#### E3 token flipping (GRPO, on-policy)", "", "| rollouts | boosted | suppressed |", "|---|---|---|"]
     for seeds in runs.values():
         for part in ("positive", "negative", "shared", "specific"):
             lines.append(f"| {part} | {cell(seeds, f'boosted_{part}')} | {cell(seeds, f'suppressed_{part}')} |")
@@ -143,7 +145,7 @@ def e3_section(runs: dict) -> list[str]:
 
 
 def e4_section(runs: dict) -> list[str]:
-    lines = ["### E4 batching plans (GRPO)", "",
+    lines = ["#### E4 batching plans (GRPO)", "",
              "| μ | plan | seeds | final `val/accuracy` | − shuffled (paired) | `batch/groups_split` | boosted share, negative rollouts |",
              "|---|---|---|---|---|---|---|"]
     for (plan, setting), seeds in sorted(runs.items(), key=lambda item: item[0][1]):
@@ -155,7 +157,7 @@ def e4_section(runs: dict) -> list[str]:
 
 
 def e5_section(runs: dict) -> list[str]:
-    lines = ["### E5 group size (128 rollouts per step, μ = 2)", "",
+    lines = ["#### E5 group size (128 rollouts per step, μ = 2)", "",
              "| G | seeds | DFPOMin end | DFPOMin − GSPO (paired) | DFPOMin − GRPO (paired) |", "|---|---|---|---|---|"]
     for group in (2, 4, 8, 16):
         setting = f"s24v8-G{group}"
@@ -211,7 +213,7 @@ def write_report() -> None:
     lines = [BEGIN, ""]
     for name, section in SECTIONS.items():
         if name not in results:
-            lines += [f"### {TITLES[name]}", "", "Not run yet.", ""]
+            lines += [f"#### {TITLES[name]}", "", "Not run yet.", ""]
             continue
         runs = dict(results[name])
         lines += section(runs) + [""]
