@@ -97,7 +97,8 @@ def e1_section(runs: dict) -> list[str]:
         reached = [r["steps_to_threshold"] for r in seeds.values() if not math.isnan(r["steps_to_threshold"])]
         lines.append(
             f"| `{arm}` | {len(seeds)} | {cell(seeds, 'val_end')} | {difference(seeds, reference, 'val_end') if arm != 'GRPO' else '–'} "
-            f"| {cell(seeds, 'tax', 4)} | {cell(seeds, 'shared_kl', 5)} | {cell(seeds, 'entropy_ratio')} | {cell(seeds, 'preference_entropy')} "
+            f"| {cell(seeds, 'tax', 4)} | {cell(seeds, 'shared_kl', 5)} | {cell(seeds, 'entropy_ratio')} "
+            f"| {cell(seeds, 'preference_entropy')} "
             f"| {_interval(*mean_interval(reached), 0)} ({len(reached)}/{len(seeds)}) |"
         )
     return lines
@@ -163,7 +164,8 @@ def e5_section(runs: dict) -> list[str]:
         setting = f"s24v8-G{group}"
         dfpo = runs.get(("DFPOMin", setting), {})
         if dfpo:
-            lines.append(f"| {group} | {len(dfpo)} | {cell(dfpo, 'val_end')} | {difference(dfpo, runs.get(('GSPO', setting), {}), 'val_end')} "
+            lines.append(f"| {group} | {len(dfpo)} | {cell(dfpo, 'val_end')} "
+                         f"| {difference(dfpo, runs.get(('GSPO', setting), {}), 'val_end')} "
                          f"| {difference(dfpo, runs.get(('GRPO', setting), {}), 'val_end')} |")
     return lines
 
@@ -219,7 +221,8 @@ def write_report() -> None:
         lines += section(runs) + [""]
         if name == "E2":
             e2_figure(runs, RESULTS / "E2.png")
-            lines += ["![E2: learning tax and accuracy gap against scaffold length, one line per spread](../benchmarks/experiments/E2.png)", ""]
+            figure = "../benchmarks/experiments/E2.png"
+            lines += [f"![E2: learning tax and accuracy gap against scaffold length, one line per spread]({figure})", ""]
     lines.append(END)
     text = DOC.read_text()
     if BEGIN in text and END in text:

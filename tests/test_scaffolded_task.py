@@ -1,8 +1,8 @@
 import pytest
 import torch
+from lit_cancel.callbacks.learning_tax import shared_positions
 
 from lit_cancel import ScaffoldedAdditionTask
-from lit_cancel.callbacks.learning_tax import shared_positions
 from lit_cancel.tasks import SCAFFOLD_TEXT, VERBOSE_TEXT
 from lit_cancel.tokenizer import build_char_tokenizer
 
