@@ -55,6 +55,7 @@ _EXPORTS = {
     "StepProgressBar": "lit_cancel.progress",
     "MathVerifyReward": "lit_cancel.rewards",
     "AdditionTask": "lit_cancel.tasks",
+    "ScaffoldedAdditionTask": "lit_cancel.tasks",
     "MathWordTask": "lit_cancel.tasks",
     "Task": "lit_cancel.tasks",
 }

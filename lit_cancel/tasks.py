@@ -103,6 +103,82 @@ class AdditionTask(Task):
         return list(dict.fromkeys(variants))
 
 
+# what a solution restates before its steps, and what a verbose solution adds after each step
+# (no spaces: the character tokenizer drops them; no digits, ",", "|": they are the steps' syntax)
+SCAFFOLD_TEXT = "we-add-the-digits-from-the-right-one-column-at-a-time-and-carry-the-tens:"
+VERBOSE_TEXT = ";so-we-write-the-last-digit-and-carry-the-rest"
+
+
+class ScaffoldedAdditionTask(AdditionTask):
+    """Addition whose solutions share a scaffold and differ in length: the two conditions of cancellation.
+
+    The prompt states the format, then the problem: ``"s16v6:047+385="``. A solution writes the
+    first ``scaffold`` characters of :data:`SCAFFOLD_TEXT` (a fixed preamble every rollout of a
+    group shares at the same positions), then :class:`AdditionTask`'s steps and answer. A verbose
+    solution adds the first ``spread`` characters of :data:`VERBOSE_TEXT` after every step, so
+    equally correct solutions of one problem differ in length by ``num_digits * spread``
+    characters. With ``scaffold=16, spread=6``::
+
+        we-add-the-digit7+5+0=12;so-we,4+8+1=13;so-we,0+3+1=4;so-we|432     (verbose)
+        we-add-the-digit5+7+0=12,8+4+1=13,3+0+1=4|432                        (terse)
+
+    Operands of a step may be written in either order, as in :class:`AdditionTask`, so a problem
+    has ``2**num_digits`` equivalent solutions of each length. Only the number after the last ``|``
+    is verified.
+
+    Args:
+        scaffold: characters of the shared preamble; a list draws one value per problem (for
+            supervised warm-up over several settings).
+        spread: characters a verbose solution adds per step; a list draws one value per problem.
+        num_digits: digits per operand.
+        train_size: number of training problems.
+        val_size: number of held-out problems, disjoint from the training problems.
+        seed: seed of the generator that draws both splits and the per-problem settings.
+    """
+
+    def __init__(
+        self,
+        scaffold: int | list[int] = 16,
+        spread: int | list[int] = 6,
+        num_digits: int = 3,
+        train_size: int = 5000,
+        val_size: int = 200,
+        seed: int = 0,
+    ):
+        self.scaffolds = self._choices("scaffold", scaffold, len(SCAFFOLD_TEXT))
+        self.spreads = self._choices("spread", spread, len(VERBOSE_TEXT))
+        self._settings = random.Random(f"settings-{seed}")
+        super().__init__(num_digits, train_size, val_size, seed)
+
+    @staticmethod
+    def _choices(name: str, value: int | list[int], limit: int) -> list[int]:
+        values = [value] if isinstance(value, int) else list(value)
+        if not values or any(not isinstance(v, int) or not 0 <= v <= limit for v in values):
+            raise ValueError(f"ScaffoldedAdditionTask: {name} must be an int or a non-empty list of ints in 0..{limit}, got {value!r}")
+        return values
+
+    def _record(self, a: int, b: int) -> Record:
+        scaffold, spread = self._settings.choice(self.scaffolds), self._settings.choice(self.spreads)
+        record = super()._record(a, b)
+        record.update(prompt=f"s{scaffold}v{spread}:" + record["prompt"], scaffold=scaffold, spread=spread)
+        return record
+
+    def solution(self, record: Record, swap: list[bool], verbose: bool = False) -> str:
+        """The solution; ``swap[i]`` reverses step ``i``'s operands, ``verbose`` adds the per-step text."""
+        steps, answer = super().solution(record, swap).split("|")
+        after = VERBOSE_TEXT[: record["spread"]] if verbose else ""
+        return SCAFFOLD_TEXT[: record["scaffold"]] + ",".join(step + after for step in steps.split(",")) + "|" + answer
+
+    def solutions(self, record: Record) -> list[str]:
+        n = self.num_digits
+        styles = [False, True] if record["spread"] else [False]
+        variants = (
+            self.solution(record, [bool(mask >> i & 1) for i in range(n)], verbose)
+            for verbose in styles for mask in range(2**n)
+        )
+        return list(dict.fromkeys(variants))
+
+
 def parse_addition_answer(completion: str) -> str | None:
     """The digits after the last ``|``, or None when the completion does not end in ``|<digits>``."""
     match = re.search(r"\|(\d+)\s*$", completion)

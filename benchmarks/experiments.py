@@ -1,0 +1,239 @@
+"""The cancellation experiments on ScaffoldedAdditionTask: runs, statistics, and the report in docs/experiments.md.
+
+    python benchmarks/experiments.py --only E2 --seeds 5      # run what is missing of E2 for seeds 0-4, then report
+    python benchmarks/experiments.py --only E1 --max-runs 4   # a piece: at most 4 new runs
+    python benchmarks/experiments.py --list                   # what is done and what is missing
+    python benchmarks/experiments.py --report                 # tables and PNGs from the stored JSON alone
+
+Every run is ``lit-cancel fit --config configs/scaffold.yaml`` with command-line overrides, as a
+user would run it; its TensorBoard scalars are read back and stored as one JSON file per run in
+``benchmarks/experiments/<experiment>/``. A run whose JSON exists is skipped, so the study can be
+run in pieces. The report (tables with 95% t-intervals over seeds, paired differences, PNGs) is
+rewritten between the markers in ``docs/experiments.md``. Needs matplotlib (``pip install -e ".[bench]"``).
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "experiments"
+CONFIG = "configs/scaffold.yaml"
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+def t_cdf(x: float, df: int) -> float:
+    """Student's t distribution function, by Simpson's rule on the density from 0 to ``x``."""
+    if x < 0:
+        return 1.0 - t_cdf(-x, df)
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    steps = 2000
+    width = x / steps
+    density = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * width) ** 2 / df)) for i in range(steps + 1)]
+    simpson = density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2])
+    return 0.5 + simpson * width / 3
+
+
+def t_quantile(probability: float, df: int) -> float:
+    """The ``probability`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
+    if not 0.5 <= probability < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= probability < 1 and df >= 1, got {probability} and {df}")
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < probability:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < probability else (low, middle)
+    return (low + high) / 2
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """``(mean, half_width)`` of the t-interval for the mean; the half-width is nan below two values."""
+    if not values:
+        return math.nan, math.nan
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    quantile = t_quantile(0.5 + confidence / 2, len(values) - 1)
+    return mean, quantile * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = 0.95) -> tuple[float, float, int]:
+    """``(mean, half_width, pairs)`` of ``a[seed] - b[seed]`` over the seeds both have."""
+    seeds = sorted(set(a) & set(b))
+    mean, half = mean_interval([a[s] - b[s] for s in seeds], confidence)
+    return mean, half, len(seeds)
+
+
+def slope_interval(x: list[float], y: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """``(slope, half_width)`` of the least-squares line of ``y`` on ``x``, t-interval with ``n - 2`` degrees of freedom."""
+    n = len(x)
+    if n < 3 or len(set(x)) < 2:
+        return math.nan, math.nan
+    x_mean, y_mean = statistics.fmean(x), statistics.fmean(y)
+    sxx = sum((a - x_mean) ** 2 for a in x)
+    slope = sum((a - x_mean) * (b - y_mean) for a, b in zip(x, y)) / sxx
+    residual = sum((b - y_mean - slope * (a - x_mean)) ** 2 for a, b in zip(x, y)) / (n - 2)
+    return slope, t_quantile(0.5 + confidence / 2, n - 2) * math.sqrt(residual / sxx)
+
+
+def verdict(mean: float, half: float) -> str:
+    """"effect" when the interval excludes 0, "null" when it holds 0, "n/a" without an interval."""
+    if math.isnan(half):
+        return "n/a"
+    return "effect" if abs(mean) > half else "null"
+
+
+# ----------------------------------------------------------------------------------------------- the runs
+@dataclass(frozen=True)
+class Run:
+    """One ``lit-cancel fit``: an experiment's arm (the compared variant) at one setting and seed."""
+
+    experiment: str
+    arm: str
+    setting: str
+    seed: int
+    overrides: tuple[str, ...] = field(compare=False)
+
+    @property
+    def path(self) -> Path:
+        return RESULTS / self.experiment / f"{self.arm}-{self.setting}-seed{self.seed}.json"
+
+    def command(self, save_dir: str) -> list[str]:
+        return [
+            "lit-cancel", "fit", "--config", CONFIG, f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.logger.init_args.name=run",
+            *self.overrides,
+        ]
+
+
+def knobs(scaffold: int, spread: int) -> list[str]:
+    return [f"--data.init_args.task.init_args.scaffold={scaffold}", f"--data.init_args.task.init_args.spread={spread}"]
+
+
+def budget(steps: int, lr: float) -> list[str]:
+    # validation before training and after the last step only; curves come from the training rollouts
+    return [f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}", "--model.init_args.val_samples=4",
+            f"--model.init_args.optimizer.init_args.lr={lr}"]
+
+
+def objective(name: str) -> list[str]:
+    return [f"--model.init_args.objective=lit_cancel.{name}"]
+
+
+def off_policy(mu: int, mini_batches: int) -> list[str]:
+    return [f"--data.init_args.epochs_per_round={mu}", f"--data.init_args.mini_batches_per_round={mini_batches}"]
+
+
+PLANS = {"shuffled": "lit_cancel.Shuffled", "query_preserved": "lit_cancel.QueryPreserved", "reward_balanced": "lit_cancel.RewardBalanced"}
+E2_SCAFFOLDS, E2_SPREADS = (0, 12, 24), (0, 4, 8)
+
+
+def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
+    """Every run of experiment ``name`` for ``seeds``. The settings and their reasons are in docs/experiments.md."""
+    runs = []
+    for seed in seeds:
+        if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting
+            for arm in ("GRPO", "GSPO", "DrGRPO", "DFPOMin", "DFPOOrth"):
+                runs.append(Run(name, arm, "s24v8-mu2", seed, (*knobs(24, 8), *objective(arm), *off_policy(2, 2), *budget(60, 1e-4))))
+        elif name == "E2":  # dose-response: GRPO and DFPOMin over scaffold x spread, on-policy, 8 prompts x 8 per step
+            for scaffold, spread, arm in itertools.product(E2_SCAFFOLDS, E2_SPREADS, ("GRPO", "DFPOMin")):
+                runs.append(Run(name, arm, f"s{scaffold}v{spread}", seed, (
+                    *knobs(scaffold, spread), *objective(arm), "--data.init_args.prompts_per_round=8", *budget(40, 2e-4),
+                )))
+        elif name == "E3":  # token flipping under GRPO on-policy (the config measures every 10 steps)
+            runs.append(Run(name, "GRPO", "s24v8", seed, (*knobs(24, 8), *objective("GRPO"), *budget(60, 2e-4))))
+        elif name == "E4":  # batching plans at mu = 1, 2, 4 with GRPO
+            for mu, plan in itertools.product((1, 2, 4), PLANS):
+                runs.append(Run(name, plan, f"s24v8-mu{mu}", seed, (
+                    *knobs(24, 8), *objective("GRPO"), *off_policy(mu, 4), f"--data.init_args.plan={PLANS[plan]}",
+                    *budget(60, 2e-4 / mu),
+                )))
+        elif name == "E5":  # group size at 128 rollouts per step
+            for group, arm in itertools.product((2, 4, 8, 16), ("GRPO", "GSPO", "DFPOMin")):
+                runs.append(Run(name, arm, f"s24v8-G{group}", seed, (
+                    *knobs(24, 8), *objective(arm), *off_policy(2, 2), f"--data.init_args.group_size={group}",
+                    f"--data.init_args.prompts_per_round={128 // group}", *budget(60, 1e-4),
+                )))
+        else:
+            raise ValueError(f"unknown experiment {name!r}; expected one of {EXPERIMENTS}")
+    return runs
+
+
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5")
+
+
+def scalars(log_dir: Path) -> dict[str, list[list[float]]]:
+    """Every scalar the run logged to TensorBoard, as ``[step, value]`` pairs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [[e.step, float(f"{e.value:.6g}")] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def execute(run: Run, threads: int | None = None) -> None:
+    """Runs ``run`` through the CLI and writes its JSON (config, command, wall time, scalars)."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    with tempfile.TemporaryDirectory() as save_dir:
+        command = run.command(save_dir)
+        started = time.perf_counter()
+        result = subprocess.run(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - started
+        if result.returncode != 0:
+            raise RuntimeError(f"{run.path.name}: lit-cancel failed:\n{result.stderr[-3000:]}")
+        (log_dir,) = Path(save_dir, "run").glob("version_*")
+        record = {"experiment": run.experiment, "arm": run.arm, "setting": run.setting, "seed": run.seed,
+                  "command": " ".join(command).replace(save_dir, "<tmp>"),
+                  "wall_s": round(wall, 1), "scalars": scalars(log_dir)}
+    run.path.parent.mkdir(parents=True, exist_ok=True)
+    partial = run.path.with_suffix(".part")
+    partial.write_text(json.dumps(record, separators=(",", ":")))
+    partial.rename(run.path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
+    parser.add_argument("--settings", nargs="+", help="only these settings, e.g. s24v8 s0v0")
+    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of each run; 1 is much faster on cores shared with other work")
+    parser.add_argument("--list", action="store_true", help="print done and missing runs, run nothing")
+    parser.add_argument("--report", action="store_true", help="only rewrite the report from the stored JSON")
+    args = parser.parse_args()
+    runs = [run for name in args.only for run in experiment_runs(name, list(range(args.seeds)))]
+    if args.settings:
+        runs = [run for run in runs if run.setting in args.settings]
+    missing = [run for run in runs if not run.path.exists()]
+    if args.list:
+        for name in args.only:
+            done = sum(1 for r in runs if r.experiment == name and r.path.exists())
+            print(f"{name}: {done}/{sum(1 for r in runs if r.experiment == name)} runs done")
+        return
+    if not args.report:
+        todo = missing[: args.max_runs]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
+                print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)
+    from experiments_report import write_report
+
+    write_report()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()

@@ -1,0 +1,51 @@
+"""The statistics of benchmarks/experiments.py against hand-computed values."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+spec = importlib.util.spec_from_file_location("experiments", BENCHMARKS / "experiments.py")
+experiments = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(experiments)
+
+
+@pytest.mark.parametrize("df, quantile", [(1, 12.706205), (2, 4.302653), (4, 2.776445), (9, 2.262157), (30, 2.042272)])
+def test_t_quantile_matches_the_table(df, quantile):
+    assert experiments.t_quantile(0.975, df) == pytest.approx(quantile, abs=2e-5)
+
+
+def test_mean_interval_is_the_t_interval():
+    mean, half = experiments.mean_interval([1, 2, 3, 4, 5])
+    # sd = sqrt(2.5), se = sd / sqrt(5) = 0.7071068, t(0.975, 4) = 2.776445
+    assert mean == 3 and half == pytest.approx(2.776445 * 0.7071068, abs=1e-5)
+    assert math.isnan(experiments.mean_interval([0.4])[1])
+
+
+def test_paired_difference_uses_the_seeds_both_arms_have():
+    mean, half, pairs = experiments.paired_difference({0: 1, 1: 3, 2: 2}, {0: 0, 1: 1, 2: 1, 3: 9})
+    # differences 1, 2, 1: mean 4/3, sd sqrt(1/3), se 1/3, t(0.975, 2) = 4.302653
+    assert pairs == 3 and mean == pytest.approx(4 / 3) and half == pytest.approx(4.302653 / 3, abs=1e-5)
+
+
+def test_slope_interval_is_the_least_squares_slope_with_its_t_interval():
+    slope, half = experiments.slope_interval([0, 1, 2, 3], [1, 3, 2, 5])
+    # sxx = 5, sxy = 5.5, residual sum of squares 2.7 over 2 df: se = sqrt(1.35 / 5)
+    assert slope == pytest.approx(1.1) and half == pytest.approx(4.302653 * math.sqrt(0.27), abs=1e-5)
+
+
+def test_verdict_calls_an_effect_only_when_the_interval_excludes_zero():
+    assert experiments.verdict(1.0, 0.5) == "effect" and experiments.verdict(-1.0, 0.5) == "effect"
+    assert experiments.verdict(0.3, 0.5) == "null" and experiments.verdict(0.3, math.nan) == "n/a"
+
+
+def test_steps_to_threshold_reads_the_moving_mean():
+    report = importlib.import_module("experiments_report")
+    accuracy = [0.5] * 10 + [0.7] * 10
+    # the 10-step mean reaches 0.5 + 0.10 once 5 of its values are 0.7: at the 15th value, step index 14
+    assert report.steps_to_threshold(list(range(20)), accuracy) == 15
+    assert report.steps_to_threshold(list(range(20)), [0.5] * 20) is None
