@@ -46,12 +46,7 @@ class Generation:
 def encode_completions(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[Tensor, Tensor]:
     """``(ids, mask)``, each ``[N, C]``: every text's tokens followed by EOS, right-padded."""
     pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
-    width = max(map(len, pieces))
-    ids = torch.full((len(pieces), width), tokenizer.pad_token_id)
-    mask = torch.zeros((len(pieces), width), dtype=torch.long)
-    for row, piece in enumerate(pieces):
-        ids[row, : len(piece)], mask[row, : len(piece)] = torch.tensor(piece), 1
-    return ids, mask
+    return _padded(pieces, tokenizer.pad_token_id, left=False)
 
 
 def _padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, Tensor]:
@@ -172,7 +167,7 @@ class PolicyModule(L.LightningModule):
 
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
-        """Samples ``num_samples`` completions of each left-padded prompt with ``generate``, stopping at EOS."""
+        """Samples ``num_samples`` completions of each left-padded prompt (decode loop or ``generate``), stopping at EOS."""
         was_training = self.policy.training
         self.policy.eval()
         with gathered(self.policy):
