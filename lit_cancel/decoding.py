@@ -3,7 +3,10 @@
 ``generate`` runs the prompt through the model once per returned sequence and spends a few
 milliseconds per step on bookkeeping that a fixed sampling recipe does not need. The loop here
 prefills each prompt once, repeats its cache for its samples, and drops finished rows from the
-batch so that tokens after EOS cost nothing. It samples exactly as ``generate`` does (the same logits
+batch so that tokens after EOS cost nothing. Its cache is allocated once for the longest
+completion and written in place: ``generate``'s cache concatenates every layer's keys and values
+at every step, a copy that grows with the sequence and took over half of a decoding step at
+24 M parameters and 128 new tokens on a CPU. It samples exactly as ``generate`` does (the same logits
 processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens.
 
 Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and generation options
@@ -12,7 +15,8 @@ outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import LogitsProcessorList
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
@@ -53,6 +57,59 @@ def logits_processors(generation_kwargs: dict, temperature: float, top_p: float,
     return processors
 
 
+class PreallocatedLayer(DynamicLayer):
+    """One attention layer's keys and values in buffers of ``capacity`` positions, written in place.
+
+    The model sees the filled part, ``buffer[:, :, :length]``, exactly what :class:`DynamicLayer`
+    would return after concatenating; no step copies what earlier steps wrote.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, _ = key_states.shape
+        self.key_buffer = key_states.new_empty(batch, heads, self.capacity, key_states.shape[-1])
+        self.value_buffer = value_states.new_empty(batch, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"PreallocatedLayer holds {self.capacity} positions; position {end} was written")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def _expose(self) -> None:
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+        self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+        self._expose()
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        self._expose()
+
+
+def preallocated_cache(model: nn.Module, capacity: int) -> Cache:
+    """A cache of :class:`PreallocatedLayer` for each of ``model``'s decoder layers."""
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
+
+
 @torch.no_grad()
 def sample_completions(
     model: nn.Module,
@@ -86,7 +143,7 @@ def sample_completions(
     positions = position_ids_from_mask(attention_mask)
     # without left padding every mask is all ones: the model's causal masking alone is the same, and cheaper
     padded = not bool(attention_mask.all())
-    cache = DynamicCache()
+    cache = preallocated_cache(model, prompt_length + max_new_tokens)
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions,
         past_key_values=cache, use_cache=True, logits_to_keep=1,

@@ -137,3 +137,32 @@ def test_repetition_penalty_is_honoured_by_generate(tiny_model_path):
 def test_generation_kwargs_are_checked(tiny_model_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         RLModule(tiny_model_path, generation_kwargs=kwargs)
+
+
+def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
+    """Prefill, repeat for the samples, decode steps and dropping finished rows: the same keys and values as DynamicLayer."""
+    from transformers.cache_utils import DynamicLayer
+
+    from lit_cancel.decoding import PreallocatedLayer
+
+    torch.manual_seed(0)
+    growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=9)
+
+    def both(step):
+        keys, values = torch.randn(step.shape), torch.randn(step.shape[:-1] + (3,))
+        expected, got = growing.update(keys, values), preallocated.update(keys, values)
+        assert all(torch.equal(e, g) for e, g in zip(expected, got))
+        assert preallocated.get_seq_length() == growing.get_seq_length()
+
+    both(torch.empty(2, 2, 5, 4))  # prefill of two prompts
+    growing.batch_repeat_interleave(3)
+    preallocated.batch_repeat_interleave(3)
+    both(torch.empty(6, 2, 1, 4))
+    keep = torch.tensor([0, 2, 5])
+    growing.batch_select_indices(keep)
+    preallocated.batch_select_indices(keep)
+    both(torch.empty(3, 2, 1, 4))
+    both(torch.empty(3, 2, 2, 4))
+    assert preallocated.get_seq_length() == 9
+    with pytest.raises(RuntimeError, match="holds 9 positions; position 10"):
+        preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
