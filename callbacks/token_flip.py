@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchmetrics import SumMetric
 from typing_extensions import override
 
-SPLITS = ("positive", "negative", "shared", "specific")
+SPLITS = ("positive", "negative", "shared", "specific", "positive_specific", "negative_specific")
 
 # What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
 # or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
@@ -154,9 +154,10 @@ class TokenFlipMonitor(Callback):
     ``delta = logp_after - logp_before`` across the step. It logs the fraction boosted
     (``delta > 0``) and suppressed (``delta < 0``), separately for positive (``A > 0``) and
     negative (``A < 0``) rollouts and for tokens shared by their whole group versus
-    rollout-specific ones, and a histogram of ``delta`` (TensorBoard). Critic-free RL flips tokens
-    in both directions in positive and negative rollouts alike; the split by shared and specific
-    tokens shows where the reward-irrelevant movement is.
+    rollout-specific ones (also split by the rollout's sign), the mean ``|delta|`` of each split, and
+    a histogram of ``delta`` (TensorBoard). Critic-free RL flips tokens in both directions in
+    positive and negative rollouts alike; the split by shared and specific tokens shows where the
+    reward-irrelevant movement is.
 
     Both passes run after the step, from the step's own inputs: in ``on_before_optimizer_step`` it
     copies the trainable parameters, and in ``on_train_batch_end`` it scores the step's tokens with
@@ -179,8 +180,9 @@ class TokenFlipMonitor(Callback):
 
     Logged every ``every_n_steps`` optimizer steps (steps 0, n, 2n, ...), reduced over all
     processes, straight to the trainer's loggers at that step: ``health/flip_boosted_{split}`` and
-    ``health/flip_suppressed_{split}`` for each split in ``positive, negative, shared, specific``,
-    and ``health/flip_mean_abs_change``. When the mean ``|delta|`` exceeds ``max_mean_abs_change``
+    ``health/flip_suppressed_{split}`` and ``health/flip_mean_abs_change_{split}`` for each split in
+    ``positive, negative, shared, specific, positive_specific, negative_specific``, and
+    ``health/flip_mean_abs_change`` over all tokens. When the mean ``|delta|`` exceeds ``max_mean_abs_change``
     it warns once (again only after it has come back under), or stops the trainer on every process.
 
     Args:
@@ -220,7 +222,8 @@ class TokenFlipMonitor(Callback):
 
     @staticmethod
     def _count_names() -> list[str]:
-        return ["abs_change", "tokens"] + [f"{kind}_{split}" for split in SPLITS for kind in ("boosted", "suppressed", "all")]
+        kinds = ("boosted", "suppressed", "all", "abs_change")
+        return ["abs_change", "tokens"] + [f"{kind}_{split}" for split in SPLITS for kind in kinds]
 
     @property
     @override
@@ -272,6 +275,7 @@ class TokenFlipMonitor(Callback):
             splits = {
                 "positive": mask & (advantages > 0), "negative": mask & (advantages < 0),
                 "shared": mask & shared, "specific": mask & ~shared,
+                "positive_specific": mask & ~shared & (advantages > 0), "negative_specific": mask & ~shared & (advantages < 0),
             }
             self._counts["abs_change"].update(delta.abs().sum())
             self._counts["tokens"].update(mask.sum())
@@ -279,6 +283,7 @@ class TokenFlipMonitor(Callback):
                 self._counts[f"boosted_{split}"].update((where & (delta > 0)).sum())
                 self._counts[f"suppressed_{split}"].update((where & (delta < 0)).sum())
                 self._counts[f"all_{split}"].update(where.sum())
+                self._counts[f"abs_change_{split}"].update(delta.abs()[where].sum())
             deltas.append(delta[mask])
         totals = {name: float(metric.compute()) for name, metric in self._counts.items()}
         for metric in self._counts.values():
@@ -288,6 +293,7 @@ class TokenFlipMonitor(Callback):
             if totals[f"all_{split}"] > 0:
                 self.last[f"boosted_{split}"] = totals[f"boosted_{split}"] / totals[f"all_{split}"]
                 self.last[f"suppressed_{split}"] = totals[f"suppressed_{split}"] / totals[f"all_{split}"]
+                self.last[f"mean_abs_change_{split}"] = totals[f"abs_change_{split}"] / totals[f"all_{split}"]
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({f"health/flip_{name}": value for name, value in self.last.items()}, step=self._step)

@@ -183,6 +183,9 @@ def test_token_flip_fractions_of_a_constructed_update():
     assert flips.last["boosted_specific"] == pytest.approx(0.5) and flips.last["suppressed_specific"] == pytest.approx(0.5)
     assert flips.last["boosted_shared"] == 0.0 and flips.last["suppressed_shared"] == 0.0
     assert flips.last["mean_abs_change"] == pytest.approx(float(delta.abs().mean()))
+    assert flips.last["mean_abs_change_shared"] < 1e-6
+    assert flips.last["mean_abs_change_positive_specific"] == pytest.approx(float(delta[0, 2:].abs().mean()))
+    assert flips.last["boosted_positive_specific"] == 1.0 and flips.last["suppressed_negative_specific"] == 1.0
 
 
 def test_gradient_accumulation_is_measured_per_optimizer_step():
