@@ -4,12 +4,14 @@
     python benchmarks/experiments.py --only E1 --max-runs 4   # a piece: at most 4 new runs
     python benchmarks/experiments.py --list                   # what is done and what is missing
     python benchmarks/experiments.py --report                 # tables and PNGs from the stored JSON alone
+    python benchmarks/experiments.py --only E6 --seeds 5      # the coupling probe (benchmarks/coupling_probe.py)
 
 Every run is ``lit-cancel fit --config configs/scaffold.yaml`` with command-line overrides, as a
 user would run it; its TensorBoard scalars are read back and stored as one JSON file per run in
-``benchmarks/experiments/<experiment>/``. A run whose JSON exists is skipped, so the study can be
-run in pieces. The report (tables with 95% t-intervals over seeds, paired differences, PNGs) is
-rewritten between the markers in ``docs/experiments.md``. Needs matplotlib (``pip install -e ".[bench]"``).
+``benchmarks/experiments/<experiment>/``. E6 alone is a probe of one model (``coupling_probe.py``).
+A run whose JSON exists is skipped, so the study can be run in pieces. The report (tables with 95%
+t-intervals over seeds, paired differences, PNGs) is rewritten between the markers in
+``docs/experiments.md``. Needs matplotlib (``pip install -e ".[bench]"``).
 """
 
 import argparse
@@ -177,6 +179,22 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
 
 
 EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5")
+PROBES = ("E6",)
+
+
+def probe_path(seed: int) -> Path:
+    return RESULTS / "E6" / f"probe-seed{seed}.json"
+
+
+def run_probe(seed: int) -> None:
+    """E6 for one seed (``coupling_probe.probe``), stored as JSON."""
+    from coupling_probe import probe
+
+    path = probe_path(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(probe(seed), indent=1))
+    partial.rename(path)
 
 
 def scalars(log_dir: Path) -> dict[str, list[list[float]]]:
@@ -210,7 +228,7 @@ def execute(run: Run, threads: int | None = None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
+    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS + PROBES, default=list(EXPERIMENTS + PROBES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
     parser.add_argument("--settings", nargs="+", help="only these settings, e.g. s24v8 s0v0")
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
@@ -220,20 +238,31 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print done and missing runs, run nothing")
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the stored JSON")
     args = parser.parse_args()
-    runs = [run for name in args.only for run in experiment_runs(name, list(range(args.seeds)))]
+    runs = [run for name in args.only if name in EXPERIMENTS for run in experiment_runs(name, list(range(args.seeds)))]
+    probes = [seed for seed in range(args.seeds) if "E6" in args.only and not probe_path(seed).exists()]
     if args.settings:
         runs = [run for run in runs if run.setting in args.settings]
     missing = [run for run in runs if not run.path.exists()]
     if args.list:
         for name in args.only:
             done = sum(1 for r in runs if r.experiment == name and r.path.exists())
-            print(f"{name}: {done}/{sum(1 for r in runs if r.experiment == name)} runs done")
+            if name in PROBES:
+                print(f"{name}: {args.seeds - len(probes)}/{args.seeds} seeds done")
+            else:
+                print(f"{name}: {done}/{sum(1 for r in runs if r.experiment == name)} runs done")
         return
     if not args.report:
         todo = missing[: args.max_runs]
         with ThreadPoolExecutor(args.jobs) as pool:
             for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
                 print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        for seed in probes:
+            run_probe(seed)
+            print(f"{probe_path(seed).relative_to(ROOT)}", flush=True)
     from experiments_report import write_report
 
     write_report()

@@ -63,7 +63,7 @@ def summary(record: dict) -> dict[str, float]:
 def load() -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
     """``experiment -> (arm, setting) -> seed -> summary`` of every stored run."""
     results: dict = defaultdict(lambda: defaultdict(dict))
-    for path in sorted(RESULTS.glob("*/*.json")):
+    for path in sorted(RESULTS.glob("E[1-5]/*.json")):
         record = json.loads(path.read_text())
         results[record["experiment"]][(record["arm"], record["setting"])][record["seed"]] = summary(record)
     return results
@@ -113,6 +113,7 @@ def e2_section(runs: dict) -> list[str]:
              "| DFPOMin end | DFPOMin − GRPO (paired) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     gaps: dict[str, list[tuple[float, float]]] = {"scaffold": [], "spread": []}
+    taxes: dict[str, list[tuple[float, float]]] = {"scaffold": [], "spread": []}
     for scaffold in E2_SCAFFOLDS:
         for spread in E2_SPREADS:
             setting = f"s{scaffold}v{spread}"
@@ -125,18 +126,25 @@ def e2_section(runs: dict) -> list[str]:
                 f"| {cell({**grpo, **dfpo}, 'val_start')} | {cell(grpo, 'val_end')} | {cell(dfpo, 'val_end')} "
                 f"| {difference(dfpo, grpo, 'val_end')} |"
             )
+            for run in grpo.values():
+                taxes["scaffold"].append((scaffold, run["tax"]))
+                taxes["spread"].append((spread, run["tax"]))
             for seed in set(grpo) & set(dfpo):
                 gap = dfpo[seed]["val_end"] - grpo[seed]["val_end"]
                 gaps["scaffold"].append((scaffold, gap))
                 gaps["spread"].append((spread, gap))
-    if gaps["scaffold"]:
-        lines += ["", "Trend of the paired gap (DFPOMin − GRPO final accuracy) over all settings and seeds, least-squares slope:", ""]
+    trends = (("the paired gap (DFPOMin − GRPO final accuracy)", gaps, "paired runs", 3),
+              ("GRPO's learning tax (mean over steps)", taxes, "GRPO runs", 4))
+    for title, points, unit_of_runs, digits in trends:
+        if not points["scaffold"]:
+            continue
+        lines += ["", f"Trend of {title} over all settings and seeds, least-squares slope:", ""]
         for knob, unit in (("scaffold", "per 10 scaffold characters"), ("spread", "per 4 spread characters per step")):
             scale = 10 if knob == "scaffold" else 4
-            slope, half = slope_interval([x for x, _ in gaps[knob]], [y for _, y in gaps[knob]])
-            seeds = len(gaps[knob]) // len({x for x, _ in gaps[knob]})
+            slope, half = slope_interval([x for x, _ in points[knob]], [y for _, y in points[knob]])
+            seeds = len(points[knob]) // len({x for x, _ in points[knob]})
             call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
-            lines.append(f"* {knob}: {_interval(slope * scale, half * scale)} {unit} ({call}, {len(gaps[knob])} paired runs)")
+            lines.append(f"* {knob}: {_interval(slope * scale, half * scale, digits)} {unit} ({call}, {len(points[knob])} {unit_of_runs})")
     return lines
 
 
@@ -184,6 +192,29 @@ def e5_section(runs: dict) -> list[str]:
             lines.append(f"| {group} | {len(dfpo)} | {cell(dfpo, 'val_end')} "
                          f"| {difference(dfpo, runs.get(('GSPO', setting), {}), 'val_end')} "
                          f"| {difference(dfpo, runs.get(('GRPO', setting), {}), 'val_end')} |")
+    return lines
+
+
+E6_QUANTITIES = (("kernel", "first-order ⟨∇ log p_j, ∇ log p_k⟩", 2), ("cosine", "cosine of the two gradients", 3),
+                 ("change", "Δ log p_j, one SGD step at lr 0.1", 3))
+
+
+def e6_section(seeds: dict[int, dict]) -> list[str]:
+    """Coupling probe: per pair class, the mean over pairs of each seed, then mean ± t-interval over seeds."""
+    per_class = {name: {seed: numbers for seed, record in seeds.items() for c, numbers in record["classes"].items() if c == name}
+                 for name in ("identical_low", "identical_high", "different_low")}
+    lines = ["#### E6 coupling (masked-update probe)", "",
+             f"Seeds: {len(seeds)}; {next(iter(seeds.values()))['classes']['identical_low']['pairs']} pairs per class and seed. "
+             "Mean over pairs per seed, then mean ± 95% t-interval over seeds.", "",
+             "| pair (k updated, j measured) | " + " | ".join(label for _, label, _ in E6_QUANTITIES) + " | abs first-order |",
+             "|---|" + "---|" * (len(E6_QUANTITIES) + 1)]
+    for name, runs in per_class.items():
+        lines.append(f"| {name.replace('_', ', ')} | " + " | ".join(cell(runs, f"mean_{q}", d) for q, _, d in E6_QUANTITIES)
+                     + f" | {cell(runs, 'mean_abs_kernel', 2)} |")
+    lines += ["", "| paired over seeds | first-order coupling | cosine |", "|---|---|---|"]
+    low, high, different = per_class["identical_low"], per_class["identical_high"], per_class["different_low"]
+    for label, other in (("identical low − identical high confidence", high), ("identical − different tokens, low confidence", different)):
+        lines.append(f"| {label} | {difference(low, other, 'mean_kernel', 2)} | {difference(low, other, 'mean_cosine', 3)} |")
     return lines
 
 
@@ -240,6 +271,8 @@ def write_report() -> None:
             e2_figure(runs, RESULTS / "E2.png")
             figure = "../benchmarks/experiments/E2.png"
             lines += [f"![E2: learning tax and accuracy gap against scaffold length, one line per spread]({figure})", ""]
+    probes = {json.loads(p.read_text())["seed"]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("E6/*.json"))}
+    lines += (e6_section(probes) if probes else ["#### E6 coupling", "", "Not run yet."]) + [""]
     lines.append(END)
     text = DOC.read_text()
     if BEGIN in text and END in text:
