@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -49,3 +50,16 @@ def test_steps_to_threshold_reads_the_moving_mean():
     # the 10-step mean reaches 0.5 + 0.10 once 5 of its values are 0.7: at the 15th value, step index 14
     assert report.steps_to_threshold(list(range(20)), accuracy) == 15
     assert report.steps_to_threshold(list(range(20)), [0.5] * 20) is None
+
+
+def test_coupling_probe_pairs_fall_in_the_classes_written_out_by_hand():
+    from coupling_probe import eligible_pairs
+
+    # four tokens: rows 0, 0, 1, 2; ids 7, 7, 7, 5; confidences 0.2, 0.9, 0.3, 0.1
+    tokens, rows = torch.tensor([7, 7, 7, 5]), torch.tensor([0, 0, 1, 2])
+    pairs = eligible_pairs(tokens, rows, torch.tensor([0.2, 0.9, 0.3, 0.1]))
+    as_sets = {name: {tuple(pair) for pair in found.tolist()} for name, found in pairs.items()}
+    # (0, 1) is excluded everywhere: one rollout
+    assert as_sets["identical_low"] == {(0, 2), (2, 0)}
+    assert as_sets["identical_high"] == set()
+    assert as_sets["different_low"] == {(0, 3), (3, 0), (2, 3), (3, 2)}
