@@ -149,10 +149,12 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     """Every run of experiment ``name`` for ``seeds``. The settings and their reasons are in docs/experiments.md."""
     runs = []
     for seed in seeds:
-        if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting
-            for arm in ("GRPO", "GSPO", "DrGRPO", "DFPOMin", "DFPOOrth"):
-                runs.append(Run(name, arm, f"{STUDY}-mu2", seed, (
-                    *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *objective(arm), *off_policy(2, 2), *budget(60, 1e-4),
+        if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting; GRPO and DFPOMin also at half the rate
+            arms = [(arm, 1e-4) for arm in ("GRPO", "GSPO", "DrGRPO", "DFPOMin", "DFPOOrth")] + [("GRPO", 5e-5), ("DFPOMin", 5e-5)]
+            for arm, lr in arms:
+                setting = f"{STUDY}-mu2" + ("" if lr == 1e-4 else f"-lr{lr:g}")
+                runs.append(Run(name, arm, setting, seed, (
+                    *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *objective(arm), *off_policy(2, 2), *budget(60, lr),
                 )))
         elif name == "E2":  # dose-response: GRPO and DFPOMin over scaffold x spread, on-policy, 8 prompts x 8 per step
             for scaffold, spread, arm in itertools.product(E2_SCAFFOLDS, E2_SPREADS, ("GRPO", "DFPOMin")):

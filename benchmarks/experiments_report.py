@@ -93,15 +93,17 @@ def difference(a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3
 
 def e1_section(runs: dict) -> list[str]:
     lines = ["#### E1 exchangeability (μ = 2)", "",
-             "| objective | seeds | final `val/accuracy` | − GRPO (paired) | learning tax | shared-context KL | entropy ratio (end) "
-             "| preference entropy (end) | − GRPO (paired) | steps to +0.10 (reached) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    reference = runs.get(("GRPO", f"{STUDY}-mu2"), {})
-    for (arm, _), seeds in runs.items():
+             "| objective | lr | seeds | final `val/accuracy` | − GRPO (paired) | learning tax | shared-context KL | entropy ratio (end) "
+             "| preference entropy (end) | − GRPO (paired) | steps to +0.10 (reached) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (arm, setting), seeds in sorted(runs.items(), key=lambda item: (len(item[0][1]), item[0][1], item[0][0] != "GRPO", item[0][0])):
+        reference = runs.get(("GRPO", setting), {})
+        lr = setting.split("-lr")[1] if "-lr" in setting else "1e-4"
         reached = [r["steps_to_threshold"] for r in seeds.values() if not math.isnan(r["steps_to_threshold"])]
+        paired = arm != "GRPO"
         lines.append(
-            f"| `{arm}` | {len(seeds)} | {cell(seeds, 'val_end')} | {difference(seeds, reference, 'val_end') if arm != 'GRPO' else '–'} "
+            f"| `{arm}` | {lr} | {len(seeds)} | {cell(seeds, 'val_end')} | {difference(seeds, reference, 'val_end') if paired else '–'} "
             f"| {cell(seeds, 'tax', 4)} | {cell(seeds, 'shared_kl', 5)} | {cell(seeds, 'entropy_ratio')} "
-            f"| {cell(seeds, 'preference_entropy')} | {difference(seeds, reference, 'preference_entropy') if arm != 'GRPO' else '–'} "
+            f"| {cell(seeds, 'preference_entropy')} | {difference(seeds, reference, 'preference_entropy') if paired else '–'} "
             f"| {_interval(*mean_interval(reached), 0)} ({len(reached)}/{len(seeds)}) |"
         )
     return lines
