@@ -185,15 +185,25 @@ def e4_section(runs: dict) -> list[str]:
 
 
 def e5_section(runs: dict) -> list[str]:
-    lines = ["#### E5 group size (128 rollouts per step, μ = 2)", "",
-             "| G | seeds | DFPOMin end | DFPOMin − GSPO (paired) | DFPOMin − GRPO (paired) |", "|---|---|---|---|---|"]
+    lines = ["#### E5 group size (128 rollouts per round, μ = 2)", "",
+             "| G | seeds | GRPO end | GSPO end | DFPOMin end | DFPOMin − GSPO (paired) | DFPOMin − GRPO (paired) |",
+             "|---|---|---|---|---|---|---|"]
+    trend: dict[str, list[tuple[float, float]]] = {"GSPO": [], "GRPO": []}
     for group in (2, 4, 8, 16):
         setting = f"{STUDY}-G{group}"
-        dfpo = runs.get(("DFPOMin", setting), {})
-        if dfpo:
-            lines.append(f"| {group} | {len(dfpo)} | {cell(dfpo, 'val_end')} "
-                         f"| {difference(dfpo, runs.get(('GSPO', setting), {}), 'val_end')} "
-                         f"| {difference(dfpo, runs.get(('GRPO', setting), {}), 'val_end')} |")
+        dfpo, gspo, grpo = (runs.get((arm, setting), {}) for arm in ("DFPOMin", "GSPO", "GRPO"))
+        if not dfpo:
+            continue
+        lines.append(f"| {group} | {len(dfpo)} | {cell(grpo, 'val_end')} | {cell(gspo, 'val_end')} | {cell(dfpo, 'val_end')} "
+                     f"| {difference(dfpo, gspo, 'val_end')} | {difference(dfpo, grpo, 'val_end')} |")
+        for baseline, other in (("GSPO", gspo), ("GRPO", grpo)):
+            trend[baseline] += [(math.log2(group), dfpo[s]["val_end"] - other[s]["val_end"]) for s in set(dfpo) & set(other)]
+    lines += ["", "Trend of the paired gap over G, least-squares slope per doubling of G:", ""]
+    for baseline, points in trend.items():
+        slope, half = slope_interval([x for x, _ in points], [y for _, y in points])
+        seeds = len(points) // max(len({x for x, _ in points}), 1)
+        call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
+        lines.append(f"* DFPOMin − {baseline}: {_interval(slope, half)} per doubling ({call}, {len(points)} paired runs)")
     return lines
 
 
