@@ -45,7 +45,7 @@ def eligible_pairs(tokens: torch.Tensor, rows: torch.Tensor, confidence: torch.T
 
 
 def probe(seed: int, pairs_per_class: int = 60) -> dict:
-    """One seed: the mean ``Δ log p_j`` and ``|Δ log p_j|`` of each class."""
+    """One seed: per class, the mean (and mean absolute) ``Δ log p_j``, first-order coupling and cosine over its pairs."""
     torch.manual_seed(seed)
     module = RLModule(MODEL, max_new_tokens=96).eval()
     task = ScaffoldedAdditionTask(scaffold=SCAFFOLD, spread=SPREAD)

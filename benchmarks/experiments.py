@@ -188,10 +188,13 @@ def probe_path(seed: int) -> Path:
     return RESULTS / "E6" / f"probe-seed{seed}.json"
 
 
-def run_probe(seed: int) -> None:
-    """E6 for one seed (``coupling_probe.probe``), stored as JSON."""
+def run_probe(seed: int, threads: int | None = None) -> None:
+    """E6 for one seed (``coupling_probe.probe``, in this process), stored as JSON."""
+    import torch
     from coupling_probe import probe
 
+    if threads:
+        torch.set_num_threads(threads)
     path = probe_path(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")
@@ -258,12 +261,8 @@ def main() -> None:
         with ThreadPoolExecutor(args.jobs) as pool:
             for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
                 print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
         for seed in probes:
-            run_probe(seed)
+            run_probe(seed, args.threads)
             print(f"{probe_path(seed).relative_to(ROOT)}", flush=True)
     from experiments_report import write_report
 
