@@ -91,6 +91,14 @@ def difference(a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3
     return f"{_interval(mean, half, digits)} ({call}, n={pairs})"
 
 
+def trend(points: list[tuple[float, float]], scale: float = 1.0, digits: int = 3) -> tuple[str, str]:
+    """The least-squares slope of ``y`` on ``x`` times ``scale``, its interval, and the verdict (inconclusive below 5 seeds)."""
+    slope, half = slope_interval([x for x, _ in points], [y for _, y in points])
+    seeds = len(points) // max(len({x for x, _ in points}), 1)
+    call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
+    return _interval(slope * scale, half * scale, digits), call
+
+
 def e1_section(runs: dict) -> list[str]:
     lines = ["#### E1 exchangeability (μ = 2)", "",
              "| objective | lr | seeds | final `val/accuracy` | − GRPO (paired) | learning tax | shared-context KL | entropy ratio (end) "
@@ -142,11 +150,8 @@ def e2_section(runs: dict) -> list[str]:
             continue
         lines += ["", f"Trend of {title} over all settings and seeds, least-squares slope:", ""]
         for knob, unit in (("scaffold", "per 10 scaffold characters"), ("spread", "per 4 spread characters per step")):
-            scale = 10 if knob == "scaffold" else 4
-            slope, half = slope_interval([x for x, _ in points[knob]], [y for _, y in points[knob]])
-            seeds = len(points[knob]) // len({x for x, _ in points[knob]})
-            call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
-            lines.append(f"* {knob}: {_interval(slope * scale, half * scale, digits)} {unit} ({call}, {len(points[knob])} {unit_of_runs})")
+            slope, call = trend(points[knob], 10 if knob == "scaffold" else 4, digits)
+            lines.append(f"* {knob}: {slope} {unit} ({call}, {len(points[knob])} {unit_of_runs})")
     return lines
 
 
@@ -188,7 +193,7 @@ def e5_section(runs: dict) -> list[str]:
     lines = ["#### E5 group size (128 rollouts per round, μ = 2)", "",
              "| G | seeds | GRPO end | GSPO end | DFPOMin end | DFPOMin − GSPO (paired) | DFPOMin − GRPO (paired) |",
              "|---|---|---|---|---|---|---|"]
-    trend: dict[str, list[tuple[float, float]]] = {"GSPO": [], "GRPO": []}
+    gaps: dict[str, list[tuple[float, float]]] = {"GSPO": [], "GRPO": []}
     for group in (2, 4, 8, 16):
         setting = f"{STUDY}-G{group}"
         dfpo, gspo, grpo = (runs.get((arm, setting), {}) for arm in ("DFPOMin", "GSPO", "GRPO"))
@@ -197,13 +202,11 @@ def e5_section(runs: dict) -> list[str]:
         lines.append(f"| {group} | {len(dfpo)} | {cell(grpo, 'val_end')} | {cell(gspo, 'val_end')} | {cell(dfpo, 'val_end')} "
                      f"| {difference(dfpo, gspo, 'val_end')} | {difference(dfpo, grpo, 'val_end')} |")
         for baseline, other in (("GSPO", gspo), ("GRPO", grpo)):
-            trend[baseline] += [(math.log2(group), dfpo[s]["val_end"] - other[s]["val_end"]) for s in set(dfpo) & set(other)]
+            gaps[baseline] += [(math.log2(group), dfpo[s]["val_end"] - other[s]["val_end"]) for s in set(dfpo) & set(other)]
     lines += ["", "Trend of the paired gap over G, least-squares slope per doubling of G:", ""]
-    for baseline, points in trend.items():
-        slope, half = slope_interval([x for x, _ in points], [y for _, y in points])
-        seeds = len(points) // max(len({x for x, _ in points}), 1)
-        call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
-        lines.append(f"* DFPOMin − {baseline}: {_interval(slope, half)} per doubling ({call}, {len(points)} paired runs)")
+    for baseline, points in gaps.items():
+        slope, call = trend(points)
+        lines.append(f"* DFPOMin − {baseline}: {slope} per doubling ({call}, {len(points)} paired runs)")
     return lines
 
 
