@@ -216,7 +216,7 @@ E6_QUANTITIES = (("kernel", "first-order ⟨∇ log p_j, ∇ log p_k⟩", 2), ("
 
 def e6_section(seeds: dict[int, dict]) -> list[str]:
     """Coupling probe: per pair class, the mean over pairs of each seed, then mean ± t-interval over seeds."""
-    per_class = {name: {seed: numbers for seed, record in seeds.items() for c, numbers in record["classes"].items() if c == name}
+    per_class = {name: {seed: record["classes"][name] for seed, record in seeds.items()}
                  for name in ("identical_low", "identical_high", "different_low")}
     lines = ["#### E6 coupling (masked-update probe)", "",
              f"Seeds: {len(seeds)}; {next(iter(seeds.values()))['classes']['identical_low']['pairs']} pairs per class and seed. "
@@ -286,7 +286,7 @@ def write_report() -> None:
             e2_figure(runs, RESULTS / "E2.png")
             figure = "../benchmarks/experiments/E2.png"
             lines += [f"![E2: learning tax and accuracy gap against scaffold length, one line per spread]({figure})", ""]
-    probes = {json.loads(p.read_text())["seed"]: json.loads(p.read_text()) for p in sorted(RESULTS.glob("E6/*.json"))}
+    probes = {record["seed"]: record for record in (json.loads(p.read_text()) for p in sorted(RESULTS.glob("E6/*.json")))}
     lines += (e6_section(probes) if probes else ["#### E6 coupling", "", "Not run yet."]) + [""]
     lines.append(END)
     text = DOC.read_text()
