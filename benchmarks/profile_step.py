@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, write_model  # benchmarks/ is on the path when run as a script
 
 import lit_cancel.rollouts
-from lit_cancel import GRPO, RLModule, RolloutDataModule
+from lit_cancel import GRPO, DecodeLoop, HFGenerate, RLModule, RolloutDataModule
 from lit_cancel.tasks import AdditionTask
 from lit_cancel.tokenizer import build_char_tokenizer
 
@@ -91,7 +91,8 @@ def main() -> None:
         params = write_model(Path(scratch), hidden, blocks, mlp, heads)
         module = RLModule(
             scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=new_tokens, activation_checkpointing=checkpointing,
-            generation_kwargs={"suppress_tokens": [build_char_tokenizer().eos_token_id]}, decode_loop=args.decode_loop == "true",
+            generation_kwargs={"suppress_tokens": [build_char_tokenizer().eos_token_id]},
+            engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
             optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0),
         )
         model = module.policy.model

@@ -27,6 +27,8 @@ class RolloutBatch:
         old_logprobs: ``[B, C]`` log-probs under the policy that sampled the rollouts; None when the
             step is on-policy, in which case the objective uses the detached current log-probs.
         ref_logprobs: ``[B, C]`` log-probs under the reference model, or None without a KL term.
+        sampler_logprobs: ``[B, C]`` log-probs under the engine that sampled the rollouts (vLLM), or None
+            when the policy sampled them itself; the objective measures and corrects the mismatch with it.
         step_sequences: sequences in the optimizer step (all micro-batches and processes), divided
             by the number of micro-batches that Lightning and DDP average over; a loss normalised by
             it does not depend on how the step's rollouts are split.
@@ -44,6 +46,7 @@ class RolloutBatch:
     sampled_round: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
     step_sequences: float = 0.0
     step_tokens: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)

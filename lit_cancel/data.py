@@ -191,8 +191,8 @@ class RolloutDataModule(TaskDataModule):
     def _seed(self, *keys: int) -> int:
         return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63
 
-    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float]:
-        """Samples and scores one draw of prompts; returns the rollouts and the seconds spent sampling."""
+    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float, float]:
+        """Samples and scores one draw of prompts; returns the rollouts, the seconds spent sampling and syncing the engine."""
         trainer = self.trainer
         records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
         return sample_groups(
@@ -204,11 +204,11 @@ class RolloutDataModule(TaskDataModule):
     def sample_round(self, with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
         """This process's groups of the round, after dynamic sampling when it is on, and the round's statistics."""
         groups_needed = self.prompts_per_round // self.trainer.world_size
-        informative, uninformative, seconds = [], [], 0.0
+        informative, uninformative, seconds, sync_seconds = [], [], 0.0, 0.0
         for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent = self.sample_groups(self.prompt_draws, with_old_logprobs)
+            draw, spent, synced = self.sample_groups(self.prompt_draws, with_old_logprobs)
             self.prompt_draws += 1
-            seconds += spent
+            seconds, sync_seconds = seconds + spent, sync_seconds + synced
             flat = draw.rewards.view(-1, self.group_size)
             varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
             informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
@@ -223,7 +223,7 @@ class RolloutDataModule(TaskDataModule):
         sampled = RolloutBatch.concat(informative + uninformative)
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
-        stats = round_stats(sampled, rows, self.group_size, seconds)
+        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds)
         return kept, stats
 
     def make_round(self) -> list[RolloutBatch]:

@@ -9,12 +9,11 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
+from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -34,6 +33,9 @@ class Generation:
         completion_mask: ``[B * n, C]``, one up to and including the first EOS.
         prompt_length: ``P``.
         texts: decoded completions, special tokens removed.
+        sampler_logprobs: ``[B * n, C]`` each sampled token's log-prob under the engine that sampled it,
+            0 after the completion; None when the engine is the policy itself.
+        sync_seconds: seconds spent pushing weights to the engine before sampling.
     """
 
     input_ids: Tensor
@@ -41,6 +43,8 @@ class Generation:
     completion_mask: Tensor
     prompt_length: int
     texts: list[str]
+    sampler_logprobs: Tensor | None = None
+    sync_seconds: float = 0.0
 
 
 def encode_completions(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -78,10 +82,6 @@ def checked_generation_kwargs(generation_kwargs: dict) -> dict:
     return dict(generation_kwargs)
 
 
-def _generate(model: nn.Module, **kwargs) -> Tensor:
-    return model.generate(**kwargs)
-
-
 def _base_model_logprobs(model: nn.Module, *args) -> tuple[Tensor, Tensor]:
     """Completion log-probs of a peft model with its adapters disabled."""
     with model.disable_adapter():
@@ -115,8 +115,8 @@ class PolicyModule(L.LightningModule):
             pass instead of keeping them (Hugging Face gradient checkpointing).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
-        decode_loop: sample with lit_cancel's decode loop (one prefill per prompt, see
-            :mod:`lit_cancel.decoding`) where the model and ``generation_kwargs`` allow it; else ``generate``.
+        engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
+            :class:`~lit_cancel.DecodeLoop` when None. ``lit_cancel.VLLMEngine`` samples with vLLM.
     """
 
     def __init__(
@@ -134,11 +134,19 @@ class PolicyModule(L.LightningModule):
         lora: LoRA | None = None,
         activation_checkpointing: bool = False,
         generation_kwargs: dict | None = None,
-        decode_loop: bool = True,
+        engine: RolloutEngine | None = None,
     ):
         super().__init__()
         self.generation_kwargs = checked_generation_kwargs(generation_kwargs or {})
-        self.decode_loop = decode_loop
+        self.engine = engine if engine is not None else DecodeLoop()
+        supported = self.engine.supported_options
+        if supported is not None and (refused := sorted(set(self.generation_kwargs) - supported)):
+            raise ValueError(
+                f"generation_kwargs: {type(self.engine).__name__} cannot honour {', '.join(map(repr, refused))}; it takes "
+                f"{', '.join(sorted(supported))} (and the module's temperature, top_p and max_new_tokens)"
+            )
+        # optimizer steps and checkpoint loads change the weights; the engine is synced when it is behind
+        self.weights_version, self.engine_version = 0, None
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -167,49 +175,38 @@ class PolicyModule(L.LightningModule):
 
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
-        """Samples ``num_samples`` completions of each left-padded prompt (decode loop or ``generate``), stopping at EOS."""
+        """Samples ``num_samples`` completions of each left-padded prompt with the engine, stopping at EOS."""
         was_training = self.policy.training
         self.policy.eval()
         with gathered(self.policy):
-            sequences = self._sample(input_ids, attention_mask, num_samples, greedy)
+            sync_seconds = 0.0
+            if self.engine_version != self.weights_version:
+                sync_seconds = self.engine.sync(self)
+                self.engine_version = self.weights_version
+            sampled = self.engine.sample(self, input_ids, attention_mask, num_samples, greedy)
         self.policy.train(was_training)
 
         prompt_length = input_ids.shape[1]
-        completions = sequences[:, prompt_length:]
+        completions = sampled.sequences[:, prompt_length:]
         is_eos = completions == self.tokenizer.eos_token_id
         # one up to and including the first EOS
         completion_mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
         completions = completions.masked_fill(~completion_mask, self.tokenizer.pad_token_id)
         prompt_mask = attention_mask.repeat_interleave(num_samples, dim=0)
+        sampler_logprobs = None if sampled.logprobs is None else sampled.logprobs.masked_fill(~completion_mask, 0.0)
         return Generation(
-            input_ids=torch.cat([sequences[:, :prompt_length], completions], dim=1),
+            input_ids=torch.cat([sampled.sequences[:, :prompt_length], completions], dim=1),
             attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
             completion_mask=completion_mask.long(),
             prompt_length=prompt_length,
             texts=self.tokenizer.batch_decode(completions, skip_special_tokens=True),
+            sampler_logprobs=sampler_logprobs,
+            sync_seconds=sync_seconds,
         )
 
-    def _sample(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Tensor:
-        # FSDP (v1) gathers per forward: every process must keep stepping until all are done, which generate does
-        v1_sharded = isinstance(self.policy, FullyShardedDataParallel)
-        if self.decode_loop and not v1_sharded and supports_decode_loop(self.policy.model, self.generation_kwargs):
-            processors = logits_processors(self.generation_kwargs, self.temperature, self.top_p, greedy)
-            return self.policy(
-                sample_completions, input_ids, attention_mask, num_samples, self.max_new_tokens,
-                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, processors, greedy,
-            )
-        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        config = GenerationConfig(
-            do_sample=not greedy,
-            max_new_tokens=self.max_new_tokens,
-            num_return_sequences=num_samples,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            **{**sampling, **self.generation_kwargs},
-        )
-        return self.policy(
-            _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=v1_sharded
-        )
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.weights_version += 1
 
     def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
@@ -233,6 +230,10 @@ class PolicyModule(L.LightningModule):
         if self.lora is not None:
             trained = {name for name, p in self.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # the weights about to be loaded are not the engine's
+        self.weights_version += 1
 
     def export(self, output_dir: str) -> None:
         """Saves the policy as a Hugging Face folder (adapters merged into the weights) with its tokenizer.
@@ -394,4 +395,5 @@ class RLModule(PolicyModule):
         checkpoint["skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)

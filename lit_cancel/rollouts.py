@@ -58,8 +58,9 @@ def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
 def sample_groups(
     module, task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int, round_index: int,
     with_old_logprobs: bool,
-) -> tuple[RolloutBatch, float]:
-    """``group_size`` scored rollouts of each of ``records``, and the seconds spent sampling.
+) -> tuple[RolloutBatch, float, float]:
+    """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, and those spent
+    pushing weights to the engine before it (see :meth:`PolicyModule.rollout`).
 
     Sampling is seeded by ``seed`` without touching the global random state. Rows ``i * G .. i * G
     + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
@@ -92,12 +93,16 @@ def sample_groups(
         sampled_round=torch.full((len(records) * group_size,), round_index, device=device),
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        sampler_logprobs=generation.sampler_logprobs,
     )
-    return batch, seconds
+    return batch, seconds - generation.sync_seconds, generation.sync_seconds
 
 
-def round_stats(sampled: RolloutBatch, kept: int, group_size: int, seconds: float) -> dict[str, float]:
-    """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained."""
+def round_stats(sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float) -> dict[str, float]:
+    """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
+
+    ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine.
+    """
     rewards = sampled.rewards.view(-1, group_size)
     lengths = sampled.completion_mask.sum(1).float()
     return {
@@ -107,4 +112,5 @@ def round_stats(sampled: RolloutBatch, kept: int, group_size: int, seconds: floa
         "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
         "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+        "perf/weight_sync_s": sync_seconds,
     }

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from lit_cancel import RLModule
+from lit_cancel import DecodeLoop, HFGenerate, RLModule
 from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
 from lit_cancel.logprobs import position_ids_from_mask
 from lit_cancel.lora import LoRA
@@ -75,8 +75,8 @@ def test_decode_step_distributions_equal_a_fresh_forward_pass(module):
 def test_rollout_greedy_is_the_same_with_the_loop_and_with_generate(tiny_model_path):
     ids_mask = None
     results = []
-    for decode_loop in (True, False):
-        module = RLModule(tiny_model_path, max_new_tokens=16, decode_loop=decode_loop)
+    for engine in (DecodeLoop(), HFGenerate()):
+        module = RLModule(tiny_model_path, max_new_tokens=16, engine=engine)
         ids_mask = ids_mask or encoded(module)
         results.append(module.rollout(*ids_mask, greedy=True))
     assert torch.equal(results[0].input_ids, results[1].input_ids)
@@ -84,10 +84,10 @@ def test_rollout_greedy_is_the_same_with_the_loop_and_with_generate(tiny_model_p
     assert results[0].texts == results[1].texts
 
 
-@pytest.mark.parametrize("decode_loop", [True, False])
-def test_suppressed_eos_gives_full_length_completions(tiny_model_path, decode_loop):
+@pytest.mark.parametrize("engine", [DecodeLoop, HFGenerate])
+def test_suppressed_eos_gives_full_length_completions(tiny_model_path, engine):
     eos = build_char_tokenizer().eos_token_id
-    module = RLModule(tiny_model_path, max_new_tokens=12, decode_loop=decode_loop, generation_kwargs={"suppress_tokens": [eos]})
+    module = RLModule(tiny_model_path, max_new_tokens=12, engine=engine(), generation_kwargs={"suppress_tokens": [eos]})
     torch.manual_seed(0)
     generation = module.rollout(*encoded(module), num_samples=4)
     assert generation.completion_mask.shape == (len(PROMPTS) * 4, 12)

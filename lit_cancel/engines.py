@@ -1,0 +1,115 @@
+"""Rollout engines: what samples completions for the policy module.
+
+One interface: left-padded prompts in; the prompts followed by sampled completions (and, where the
+engine reports them, each sampled token's log-probability under the sampler) out; ``sync`` after
+the policy's weights changed. ``PolicyModule`` calls the engine for rollouts and for validation.
+
+* :class:`DecodeLoop` (the default): lit_cancel's decode loop (:mod:`lit_cancel.decoding`), where
+  the model and the generation options allow it, else Hugging Face ``generate``.
+* :class:`HFGenerate`: Hugging Face ``generate``.
+* :class:`lit_cancel.vllm_engine.VLLMEngine`: a vLLM engine in the training process.
+
+The first two run the policy itself: their samples come from exactly the weights being trained,
+so they report no sampling log-probs and need no sync. An engine that keeps its own copy of the
+weights reports its sampling log-probs, so the objective can measure and correct the mismatch
+(see :mod:`lit_cancel.corrections`).
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from transformers import GenerationConfig
+
+from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
+
+
+@dataclass
+class Sampled:
+    """What an engine returns for ``B`` prompts and ``n`` samples each; row ``i * n + k`` is sample ``k`` of prompt ``i``.
+
+    Attributes:
+        sequences: ``[B * n, P + C]`` the prompts as given (left-padded to ``P``), then the completions,
+            right-padded with the tokenizer's pad id after EOS.
+        logprobs: ``[B * n, C]`` log-probability of each sampled token under the sampler's distribution
+            (after temperature, top-k, top-p), 0 after the completion; None when the sampler is the policy itself.
+        sync_seconds: seconds spent pushing the policy's weights to the engine before sampling.
+    """
+
+    sequences: Tensor
+    logprobs: Tensor | None = None
+    sync_seconds: float = 0.0
+
+
+class RolloutEngine(ABC):
+    """Samples completions of left-padded prompts for a :class:`~lit_cancel.PolicyModule`.
+
+    Attributes:
+        supported_options: the ``generation_kwargs`` the engine honours; None: every ``GenerationConfig`` option.
+    """
+
+    supported_options: frozenset[str] | None = None
+
+    @abstractmethod
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        """``num_samples`` completions of each prompt, with the module's sampling options, stopping at EOS.
+
+        Args:
+            module: the policy module: its ``policy`` (a :class:`~lit_cancel.sharding.ModelRoot`),
+                ``tokenizer``, ``temperature``, ``top_p``, ``max_new_tokens`` and ``generation_kwargs``.
+            input_ids: ``[B, P]`` left-padded prompts.
+            attention_mask: ``[B, P]``.
+            num_samples: completions per prompt.
+            greedy: the most likely token at every step instead of sampling.
+        """
+
+    def sync(self, module) -> float:
+        """Makes the engine sample from the module's current weights; returns the seconds it took."""
+        return 0.0
+
+
+class HFGenerate(RolloutEngine):
+    """Hugging Face ``generate`` on the policy, with the module's options and ``generation_kwargs``."""
+
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        # FSDP (v1) gathers per forward: every process must keep stepping until all are done, which generate does
+        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
+        sampling = {} if greedy else {"temperature": module.temperature, "top_p": module.top_p, "top_k": 0}
+        config = GenerationConfig(
+            do_sample=not greedy,
+            max_new_tokens=module.max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=module.tokenizer.pad_token_id,
+            eos_token_id=module.tokenizer.eos_token_id,
+            **{**sampling, **module.generation_kwargs},
+        )
+        sequences = module.policy(
+            _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=v1_sharded
+        )
+        return Sampled(sequences)
+
+
+def _generate(model: nn.Module, **kwargs) -> Tensor:
+    return model.generate(**kwargs)
+
+
+class DecodeLoop(HFGenerate):
+    """lit_cancel's decode loop (one prefill per prompt, a preallocated cache, finished rows dropped).
+
+    Models outside :data:`~lit_cancel.decoding.DECODE_LOOP_MODEL_TYPES`, generation options outside
+    :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` and FSDP (v1) roots are sampled with ``generate``
+    instead; greedy decoding gives the same tokens either way.
+    """
+
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
+        if v1_sharded or not supports_decode_loop(module.policy.model, module.generation_kwargs):
+            return super().sample(module, input_ids, attention_mask, num_samples, greedy)
+        processors = logits_processors(module.generation_kwargs, module.temperature, module.top_p, greedy)
+        tokenizer = module.tokenizer
+        sequences = module.policy(
+            sample_completions, input_ids, attention_mask, num_samples, module.max_new_tokens,
+            tokenizer.eos_token_id, tokenizer.pad_token_id, processors, greedy,
+        )
+        return Sampled(sequences)
