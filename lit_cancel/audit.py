@@ -12,7 +12,9 @@ The tax of the policy-gradient part (the objective with ``kl_coef`` and ``entrop
 reported apart from the total: a KL or entropy term is a regulariser, not meant to cancel.
 
 At a shared position every member has the same context and token, so the same log-probability
-and ratio; the scenarios respect that. Ratios on members' own tokens vary; the shared positions'
+and ratio, under the trainer and under the sampler alike; the scenarios respect that. One scenario
+has rollouts from a sampler whose log-probs differ from the trainer's (as vLLM's do), where an
+objective's mismatch correction acts (``--correction``). Ratios on members' own tokens vary; the shared positions'
 common ratio stays inside a 0.2 clip range, where every PPO-style clip treats members alike (outside
 it, any clip selects one sign of advantage: see the tests).
 """
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.corrections import CORRECTIONS
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import PRESETS
 
@@ -68,8 +71,12 @@ def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tenso
     return float(uncancelled / total)
 
 
-def _group(lengths: list[int], rewards: list[float], own_log_ratio: float, shared_log_ratio: float, seed: int):
-    """Two groups with a shared 4-token prefix, members of the given lengths, and log-probs to match."""
+def _group(lengths: list[int], rewards: list[float], own_log_ratio: float, shared_log_ratio: float, seed: int, sampler_gap: float = 0.0):
+    """Two groups with a shared 4-token prefix, members of the given lengths, and log-probs to match.
+
+    Returns tokens, mask, rewards, the trainer's old and current log-probs, and the sampler's
+    (``old`` minus up to ``sampler_gap``; None when it is 0).
+    """
     generator = torch.Generator().manual_seed(seed)
     rows, width, prefix = 2 * len(lengths), max(lengths), 4
     tokens = torch.randint(10, 90, (rows, width), generator=generator)
@@ -82,7 +89,12 @@ def _group(lengths: list[int], rewards: list[float], own_log_ratio: float, share
     log_ratio = (torch.rand(rows, width, generator=generator) * 2 - 1) * own_log_ratio
     log_ratio[:, :prefix] = shared_log_ratio
     reward = torch.tensor(rewards * 2).view(2, -1)
-    return tokens, mask, reward, old, old + log_ratio
+    sampler = None
+    if sampler_gap:
+        gap = (torch.rand(rows, width, generator=generator) * 2 - 1) * sampler_gap
+        gap[: len(lengths), :prefix], gap[len(lengths) :, :prefix] = gap[0, :prefix], gap[len(lengths), :prefix]
+        sampler = old - gap
+    return tokens, mask, reward, old, old + log_ratio, sampler
 
 
 SCENARIOS: dict[str, dict] = {
@@ -90,6 +102,7 @@ SCENARIOS: dict[str, dict] = {
     "on-policy, unequal lengths": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.0, shared_log_ratio=0.0),
     "off-policy, inside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.15, shared_log_ratio=0.1),
     "own tokens outside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.8, shared_log_ratio=-0.1),
+    "sampler mismatch, equal lengths": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.0, shared_log_ratio=0.0, sampler_gap=0.3),
 }
 
 
@@ -136,14 +149,14 @@ def audit(objective: Objective) -> dict[str, ScenarioAudit]:
     results = {}
     policy_part = policy_gradient_part(objective)
     for seed, (name, scenario) in enumerate(SCENARIOS.items()):
-        tokens, mask, rewards, old, current = _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=seed, **scenario)
+        tokens, mask, rewards, old, current, sampler = _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=seed, **scenario)
         group_ids = torch.arange(2).repeat_interleave(rewards.shape[1])
         batch = RolloutBatch(
             input_ids=torch.cat([torch.ones(len(tokens), 1, dtype=torch.long), tokens], 1),
             attention_mask=torch.cat([torch.ones(len(tokens), 1, dtype=torch.long), mask], 1),
             completion_mask=mask, prompt_length=1, rewards=rewards.view(-1),
             advantages=objective.advantages(rewards).view(-1), group_ids=group_ids, old_logprobs=old,
-            ref_logprobs=old.clone(), step_sequences=float(len(tokens)), step_tokens=float(mask.sum()),
+            ref_logprobs=old.clone(), sampler_logprobs=sampler, step_sequences=float(len(tokens)), step_tokens=float(mask.sum()),
         )
         reported, autograd = credits(objective, current, batch)
         gap = (reported - autograd).abs()
@@ -197,6 +210,10 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("objective", help=f"a preset ({', '.join(PRESETS)}) or a class path such as my_pkg.objectives.MyObjective")
     parser.add_argument("--tolerance", type=float, default=1e-6, help="largest tax that counts as cancelling")
+    parser.add_argument(
+        "--correction", choices=list(CORRECTIONS),
+        help="audit the objective with this sampler-mismatch correction (default bounds); it acts in the sampler-mismatch scenario",
+    )
     args = parser.parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module in the current directory, as `python -m` would find it
@@ -205,8 +222,15 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         print(f"audit-objective: {error}", file=sys.stderr)
         return 2
+    name = args.objective
+    if args.correction:
+        if not hasattr(objective, "correction"):
+            print(f"audit-objective: {args.objective} takes no mismatch correction (no 'correction' attribute)", file=sys.stderr)
+            return 2
+        objective.correction = CORRECTIONS[args.correction]()
+        name += f" with {args.correction}"
     results = audit(objective)
-    print(f"learning tax of {args.objective} (uncancelled share of |credit| on positions every group member shares)")
+    print(f"learning tax of {name} (uncancelled share of |credit| on positions every group member shares)")
     print(f"  {'scenario':<36} {'policy gradient':>16} {'total':>10}")
     for name, result in results.items():
         verdict = "cancels" if result.policy_tax <= args.tolerance else "DOES NOT CANCEL"

@@ -16,6 +16,7 @@ from torch import Tensor
 from lit_cancel.advantages import AdvantageEstimator, GroupNormalised
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.clipping import Clip, NoClip, SymmetricClip
+from lit_cancel.corrections import MismatchCorrection
 from lit_cancel.group_transforms import GroupTransform
 from lit_cancel.normalisers import Normaliser, SequenceMean
 
@@ -68,6 +69,18 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> tuple
     raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
 
+def mismatch_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Mean and largest ``|log pi_old - log pi_sampler|`` over completion tokens, and the k3 estimate of
+    KL(sampler || trainer), ``E[r - 1 - log r]`` with ``r = pi_old / pi_sampler`` on the sampler's tokens."""
+    tokens = mask.sum().clamp(min=1)
+    gap = log_ratio.abs() * mask
+    return {
+        "rollout/logprob_mismatch": gap.sum() / tokens,
+        "rollout/logprob_mismatch_max": gap.max(),
+        "rollout/sampler_kl": ((log_ratio.exp() - 1 - log_ratio) * mask).sum() / tokens,
+    }
+
+
 class PolicyGradient(Objective):
     """The family's common form, composed from parts::
 
@@ -81,6 +94,11 @@ class PolicyGradient(Objective):
     ``c_it = w~_i A_i / N_it``. The entropy bonus uses the sampled tokens' estimate
     ``grad H ~ -sum sg(logp) grad logp``, so the credit form still holds.
 
+    When the rollouts come from an engine with its own copy of the weights (the batch carries
+    ``sampler_logprobs``), the mismatch is logged (``rollout/logprob_mismatch``, ``..._max``,
+    ``rollout/sampler_kl``) and, with a ``correction``, the policy-gradient term's ``1 / N_it`` is
+    multiplied by its weight ``rho_it`` (see :mod:`lit_cancel.corrections`).
+
     Args:
         advantage: advantage estimator; :class:`GroupNormalised` when None.
         ratio: ``"token"`` or ``"sequence"`` (the length-normalised sequence ratio, GSPO).
@@ -90,6 +108,7 @@ class PolicyGradient(Objective):
         kl_coef: ``beta``, weight of the KL to the reference model.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         entropy_coef: ``alpha``, weight of the entropy bonus.
+        correction: weights for the sampler/trainer mismatch; None applies none (the mismatch is still logged).
     """
 
     def __init__(
@@ -102,6 +121,7 @@ class PolicyGradient(Objective):
         kl_coef: float = 0.0,
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
     ):
         name = type(self).__name__
         if ratio not in ("token", "sequence"):
@@ -118,6 +138,7 @@ class PolicyGradient(Objective):
         self.ratio, self.clip, self.normaliser = ratio, clip, normaliser or SequenceMean()
         self.group_transform = group_transform
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
+        self.correction = correction
 
     def advantages(self, rewards: Tensor) -> Tensor:
         return self.advantage(rewards)
@@ -134,6 +155,16 @@ class PolicyGradient(Objective):
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
         advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
         inverse_n = mask / self.normaliser(batch)
+        metrics, policy_n = {}, inverse_n
+        if batch.sampler_logprobs is not None:
+            sampler_log_ratio = (old - batch.sampler_logprobs) * mask
+            metrics.update(mismatch_metrics(sampler_log_ratio, mask))
+            if self.correction is not None:
+                correction = self.correction(sampler_log_ratio, mask, batch.group_ids)
+                policy_n = inverse_n * correction
+                tokens = mask.sum().clamp(min=1)
+                metrics["objective/correction_mean"] = correction.sum() / tokens
+                metrics["objective/correction_zero_frac"] = ((correction == 0) * mask).sum() / tokens
         lengths = mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = (logprobs - old) * mask
         weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / lengths).exp()
@@ -141,17 +172,17 @@ class PolicyGradient(Objective):
 
         if self.group_transform is not None:
             transformed = self.group_transform(weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype), batch.group_ids)
-            token_credit = transformed.unsqueeze(1) * advantages * inverse_n
+            token_credit = transformed.unsqueeze(1) * advantages * policy_n
             # value w~ A / N at the current point, gradient w~ A grad logp / N
             policy_loss = -(token_credit * (logprobs - logprobs.detach() + 1)).sum()
             credits, clipped_low, clipped_high = token_credit, zeros, zeros
         else:
             clipped = self.clip(weight, advantages)
             if self.ratio == "token":
-                policy_loss = -(clipped.surrogate * inverse_n).sum()
-                credits = weight.detach() * advantages * clipped.active * inverse_n
+                policy_loss = -(clipped.surrogate * policy_n).sum()
+                credits = weight.detach() * advantages * clipped.active * policy_n
             else:
-                per_sequence_n = inverse_n.sum(1, keepdim=True)
+                per_sequence_n = policy_n.sum(1, keepdim=True)
                 policy_loss = -(clipped.surrogate * per_sequence_n).sum()
                 credits = weight.detach() * advantages * clipped.active * per_sequence_n / lengths * mask
             clipped_low, clipped_high = clipped.clipped_low * mask, clipped.clipped_high * mask
@@ -162,7 +193,6 @@ class PolicyGradient(Objective):
             kl_loss = (kl * inverse_n).sum()
             loss = loss + self.kl_coef * kl_loss
             credits = credits - self.kl_coef * kl_derivative.detach() * inverse_n
-        metrics = {}
         if self.entropy_coef > 0:
             sampled = logprobs.detach()
             # value: alpha * sum logp / N (minus the sampled entropy estimate); gradient alpha sg(logp) grad logp / N

@@ -8,6 +8,7 @@ keep it equal, and the normaliser and any sequence-level weight decide.
 
 from lit_cancel.advantages import GroupNormalised, LeaveOneOut, MeanCentred
 from lit_cancel.clipping import AsymmetricClip, SymmetricClip
+from lit_cancel.corrections import MismatchCorrection
 from lit_cancel.group_transforms import AdvOrthogonal, GroupTransform, MinReplace
 from lit_cancel.normalisers import ConstantLength, Normaliser, TokenMean
 from lit_cancel.objectives import Objective, PolicyGradient
@@ -26,14 +27,16 @@ class GRPO(PolicyGradient):
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         scale_by_std: divide group-centred rewards by the group std.
         entropy_coef: weight of the entropy bonus.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
     def __init__(
-        self, clip_eps: float = 0.2, kl_coef: float = 0.0, kl_estimator: str = "k3", scale_by_std: bool = True, entropy_coef: float = 0.0
+        self, clip_eps: float = 0.2, kl_coef: float = 0.0, kl_estimator: str = "k3", scale_by_std: bool = True, entropy_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
     ):
         super().__init__(
             advantage=GroupNormalised() if scale_by_std else MeanCentred(), ratio="token", clip=SymmetricClip(clip_eps),
-            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, correction=correction,
         )
 
 
@@ -49,12 +52,16 @@ class DrGRPO(PolicyGradient):
         length: the constant ``L`` (Dr. GRPO uses the generation budget); set it near ``max_new_tokens``.
         kl_coef: weight of the KL to the reference model.
         entropy_coef: weight of the entropy bonus.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
-    def __init__(self, clip_eps: float = 0.2, length: float = 64.0, kl_coef: float = 0.0, entropy_coef: float = 0.0):
+    def __init__(
+        self, clip_eps: float = 0.2, length: float = 64.0, kl_coef: float = 0.0, entropy_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
+    ):
         super().__init__(
             advantage=MeanCentred(), ratio="token", clip=SymmetricClip(clip_eps), normaliser=ConstantLength(length),
-            kl_coef=kl_coef, entropy_coef=entropy_coef,
+            kl_coef=kl_coef, entropy_coef=entropy_coef, correction=correction,
         )
 
 
@@ -72,12 +79,16 @@ class DAPO(PolicyGradient):
         eps_high: upper clip range.
         kl_coef: weight of the KL to the reference model (DAPO uses none).
         entropy_coef: weight of the entropy bonus.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
-    def __init__(self, eps_low: float = 0.2, eps_high: float = 0.28, kl_coef: float = 0.0, entropy_coef: float = 0.0):
+    def __init__(
+        self, eps_low: float = 0.2, eps_high: float = 0.28, kl_coef: float = 0.0, entropy_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
+    ):
         super().__init__(
             advantage=GroupNormalised(), ratio="token", clip=AsymmetricClip(eps_low, eps_high), normaliser=TokenMean(),
-            kl_coef=kl_coef, entropy_coef=entropy_coef,
+            kl_coef=kl_coef, entropy_coef=entropy_coef, correction=correction,
         )
 
 
@@ -93,11 +104,13 @@ class GSPO(PolicyGradient):
         eps_low: lower clip range (GSPO's are tiny because ``s_i`` averages over the sequence).
         eps_high: upper clip range.
         kl_coef: weight of the KL to the reference model.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
-    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, kl_coef: float = 0.0):
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, kl_coef: float = 0.0, correction: MismatchCorrection | None = None):
         super().__init__(
-            advantage=GroupNormalised(), ratio="sequence", clip=AsymmetricClip(eps_low, eps_high), kl_coef=kl_coef
+            advantage=GroupNormalised(), ratio="sequence", clip=AsymmetricClip(eps_low, eps_high), kl_coef=kl_coef,
+            correction=correction,
         )
 
 
@@ -106,10 +119,13 @@ class _DFPO(PolicyGradient):
 
     transform: type[GroupTransform]
 
-    def __init__(self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0):
+    def __init__(
+        self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
+    ):
         super().__init__(
             advantage=GroupNormalised(), ratio="sequence", group_transform=self.transform(),
-            normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef,
+            normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef, correction=correction,
         )
 
 
@@ -125,6 +141,7 @@ class DFPOMin(_DFPO):
         length: the constant ``L`` of the default normaliser.
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
     transform = MinReplace
@@ -142,6 +159,7 @@ class DFPOOrth(_DFPO):
         length: the constant ``L`` of the default normaliser.
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
     transform = AdvOrthogonal
@@ -157,10 +175,14 @@ class RLOO(PolicyGradient):
     Args:
         clip_eps: PPO clip range.
         kl_coef: weight of the KL to the reference model.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
     """
 
-    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0):
-        super().__init__(advantage=LeaveOneOut(), ratio="token", clip=SymmetricClip(clip_eps), normaliser=TokenMean(), kl_coef=kl_coef)
+    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0, correction: MismatchCorrection | None = None):
+        super().__init__(
+            advantage=LeaveOneOut(), ratio="token", clip=SymmetricClip(clip_eps), normaliser=TokenMean(), kl_coef=kl_coef,
+            correction=correction,
+        )
 
 
 PRESETS: dict[str, type[Objective]] = {preset.__name__: preset for preset in (GRPO, DrGRPO, DAPO, GSPO, DFPOMin, DFPOOrth, RLOO)}
