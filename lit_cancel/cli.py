@@ -69,7 +69,7 @@ def explain(error: BaseException) -> str:
         message += "; the optimizer and its schedule are options of the module: model.init_args.optimizer and model.init_args.lr_scheduler"
     where = ".".join(path)
     if last_class:
-        where += f" ({last_class})"
+        where = f"{where} ({last_class})" if where else last_class
     return f"{where}: {message}" if where else message
 
 

