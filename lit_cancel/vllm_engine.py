@@ -154,6 +154,12 @@ class VLLMEngine(RolloutEngine):
         if self.kv_cache_memory_bytes is not None or not on_gpu:
             memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or 2**30}
         parameter_dtype = next(model.parameters()).dtype
+        distributed = {}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # every process runs its own engine on its own prompts: vLLM data parallelism in the trainer's processes
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(os.environ.get("LOCAL_RANK", rank)))
+            distributed = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
         with _random_state_kept():
             self.llm = LLM(
                 model=self._folder.name,
@@ -165,6 +171,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 seed=0,
                 **memory,
+                **distributed,
                 **self.llm_kwargs,
             )
 

@@ -8,6 +8,7 @@ tests run in their own pytest process, in an environment with the extra installe
 Without vLLM they are skipped.
 """
 
+import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -199,3 +200,23 @@ def test_the_gpu_recipe_with_vllm_trains_with_a_stand_in_model_on_this_cpu(tmp_p
     assert isinstance(cli.model.engine, VLLMEngine) and isinstance(cli.model.objective.correction, TokenTruncate)
     # the engine samples in bfloat16, the trainer's log-probs are bf16-mixed: the mismatch is measured, and not zero
     assert 0 < cli.trainer.logged_metrics["rollout/logprob_mismatch"] < 0.5
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_engine(tmp_path, lit_cancel_script):
+    subprocess.run(
+        [lit_cancel_script, "fit", "--config", str(CONFIG.parent / "quickstart-fsdp2-cpu.yaml"), "--trainer.max_steps=3",
+         "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+         "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4", "--data.init_args.task.init_args.val_size=8",
+         "--model.init_args.val_samples=2", "--model.init_args.engine=lit_cancel.VLLMEngine",
+         f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}"],
+        check=True, capture_output=True, timeout=600,
+    )
+    (run,) = tmp_path.glob("*/version_0")
+    events = EventAccumulator(str(run))
+    events.Reload()
+    mismatch_by_step = [e.value for e in events.Scalars("rollout/logprob_mismatch_max")]
+    assert len(mismatch_by_step) == 3
+    # each step's rollouts were sampled from the weights of the step before, gathered from both shards
+    assert max(mismatch_by_step) < TOLERANCE
+    assert sum(e.value for e in events.Scalars("perf/weight_sync_s")) > 0
