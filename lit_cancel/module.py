@@ -21,7 +21,7 @@ from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
 from lit_cancel.rollouts import score
-from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard
+from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
 
 
 @dataclass
@@ -362,7 +362,9 @@ class RLModule(PolicyModule):
         return {"loss": out.loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skips a step whose loss or gradient is not finite: without gradients the optimizer leaves every parameter alone."""
+        """Logs ``health/grad_norm`` (before clipping, which Lightning does after this hook) and skips a step whose loss or
+        gradient is not finite: without gradients the optimizer leaves every parameter alone."""
+        self.log("health/grad_norm", total_norm([p.grad for p in self.parameters() if p.grad is not None]))
         # sharded gradients are DTensors: each process checks its own shard, then the processes agree
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.parameters() if p.grad is not None]
         gradient_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
