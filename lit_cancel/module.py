@@ -268,7 +268,8 @@ class RLModule(PolicyModule):
     ``prompt_length``). The methods ``token_logprobs``, ``next_token_logprobs`` and
     ``sequence_logprobs`` give them their extra forward passes.
 
-    An optimizer step whose loss or gradient is not finite is skipped (the weights and the
+    Every optimizer step logs ``health/grad_norm``, the global gradient norm before clipping. An
+    optimizer step whose loss or gradient is not finite is skipped (the weights and the
     optimizer state stay as they were), counted in ``health/skipped_steps`` and named in a warning;
     after ``max_skipped_steps`` such steps in a row the run stops with an error.
 
