@@ -307,6 +307,12 @@ def test_the_quickstart_logs_the_learning_rate_and_the_gradient_norm_every_step(
     assert [step for step, _ in logged["health/grad_norm"]] == [0, 1]
 
 
+def test_validation_is_logged_at_the_step_the_bar_shows(tmp_path):
+    run = cli.run_cli(quick_args(tmp_path, 3, "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2"))
+    logged = scalars(run.trainer.logger.log_dir)
+    assert [step for step, _ in logged["val/accuracy"]] == [step for step, _ in logged["val/greedy_accuracy"]] == [0, 2]
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_rl_config_monitors_the_learning_rate_every_step(config):
     settings = yaml.safe_load((CONFIGS / config).read_text())
