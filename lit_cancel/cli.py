@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -73,8 +74,6 @@ def last_checkpoint_written(trainer) -> str | None:
 
 def yaml_error_location(message: str, args: list[str]) -> str:
     """``message`` with jsonargparse's ``"<unicode string>"`` replaced by the config file whose YAML does not parse."""
-    import yaml
-
     configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     configs += [b for a, b in zip(args, args[1:]) if a == "--config"]
     for config in configs:
