@@ -213,7 +213,8 @@ class LearningTaxMonitor(Callback):
     loggers at the step they measure: ``health/learning_tax`` every ``log_every_n_steps`` steps and
     ``health/shared_kl`` every ``kl_every_n_steps`` steps (steps 0, n, 2n, ...). When the tax
     exceeds ``max_tax`` it warns once (again only after it has come back under) or stops the
-    trainer on every process.
+    trainer on every process. A step in which no group has two members (in a micro-batch of this
+    process) has no shared tokens: its tax is 0 and means nothing, which it warns about once.
 
     Args:
         max_tax: alert above this tax.
@@ -248,7 +249,9 @@ class LearningTaxMonitor(Callback):
         self.last_tax: float | None = None
         self.last_shared_kl: float | None = None
         self.taxed = False
+        self.warned_no_groups = False
         self.alert_steps: list[int] = []
+        self._step_has_group = False
         self._step = 0
         self._uncancelled, self._total = SumMetric(), SumMetric()
         self._kl_sum, self._kl_count = SumMetric(), SumMetric()
@@ -308,6 +311,7 @@ class LearningTaxMonitor(Callback):
         fields = read_contract("LearningTaxMonitor", {**CONTRACT, **(COMPLETION_IDS if has_ids else SEQUENCES)}, outputs, batch)
         tokens = fields["completion_ids"] if has_ids else fields["input_ids"][:, fields["prompt_length"] :]
         uncancelled, total = uncancelled_credit(fields["credits"].detach(), tokens, fields["completion_mask"], fields["group_ids"])
+        self._step_has_group = self._step_has_group or bool((torch.unique(fields["group_ids"], return_counts=True)[1] > 1).any())
         self._uncancelled.update(uncancelled)
         self._total.update(total)
 
@@ -316,6 +320,14 @@ class LearningTaxMonitor(Callback):
         self.last_tax = float(self._uncancelled.compute()) / total if total > 0 else 0.0
         self._uncancelled.reset()
         self._total.reset()
+        if not self._step_has_group and not self.warned_no_groups:
+            self.warned_no_groups = True
+            rank_zero_warn(
+                f"LearningTaxMonitor at step {self._step}: no group has two members in this step's micro-batches "
+                f"(every group_ids value appears once), so no token is shared and the tax {self.last_tax:.1f} measures "
+                "nothing; give the rows of one prompt the same group id (warned once)"
+            )
+        self._step_has_group = False
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({"health/learning_tax": self.last_tax}, step=self._step)

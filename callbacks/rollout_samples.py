@@ -24,8 +24,9 @@ class RolloutSamplesLogger(Callback):
     r"""Writes the first rollouts of a training step as a Markdown table to TensorBoard's Text tab.
 
     Every ``every_n_steps`` optimizer steps, the first ``num_samples`` rows of the step's first
-    micro-batch are decoded and written under the tag ``tag`` at the step of that step's scalars,
-    so the samples sit next to the reward curve. The table has one row per rollout: prompt,
+    micro-batch are decoded and written under the tag ``tag`` at the step of that step's scalars
+    (``trainer.global_step`` when the micro-batch starts, once per optimizer step, whatever the
+    epoch length and ``accumulate_grad_batches``), so the samples sit next to the reward curve. The table has one row per rollout: prompt,
     completion, reward and advantage. Writes happen on rank 0 only, through the trainer's
     :class:`~lightning.pytorch.loggers.TensorBoardLogger`; without one, the callback warns once and
     does nothing.
@@ -58,6 +59,7 @@ class RolloutSamplesLogger(Callback):
         self.every_n_steps, self.num_samples, self.tag = every_n_steps, num_samples, tag
         self.tensorboard: TensorBoardLogger | None = None
         self.logged_steps: list[int] = []
+        self._step = 0
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -70,13 +72,15 @@ class RolloutSamplesLogger(Callback):
             rank_zero_warn("RolloutSamplesLogger: the trainer has no TensorBoardLogger; rollout samples will not be written")
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        # the optimizer step this micro-batch belongs to: batch_idx restarts every epoch, and an epoch's
+        # last step may have fewer micro-batches than accumulate_grad_batches
+        self._step = trainer.global_step
+
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.tensorboard is None or not trainer.is_global_zero or batch_idx % trainer.accumulate_grad_batches:
-            return
-        completes_step = trainer.accumulate_grad_batches == 1
-        # global_step already counts the step that this micro-batch completed
-        step = trainer.global_step - completes_step
-        if step % self.every_n_steps:
+        step = self._step
+        if self.tensorboard is None or not trainer.is_global_zero or step % self.every_n_steps or step in self.logged_steps[-1:]:
             return
         self.tensorboard.experiment.add_text(self.tag, self.table(pl_module.tokenizer, outputs, batch), global_step=step)
         self.logged_steps.append(step)

@@ -76,7 +76,7 @@ class SolutionProbabilityDriftMonitor(Callback):
     at every call.
 
     Args:
-        probes: the probe set; None asks ``trainer.datamodule.drift_probes(num_probes)`` at fit start.
+        probes: the probe set, at least one probe; None asks ``trainer.datamodule.drift_probes(num_probes)`` at fit start.
         num_probes: how many probes to ask the datamodule for.
         every_n_steps: how often to score the probes, in optimizer steps.
         min_entropy_ratio: alert below this fraction of the starting preference entropy.
@@ -98,6 +98,10 @@ class SolutionProbabilityDriftMonitor(Callback):
     ) -> None:
         super().__init__()
         if probes is not None:
+            if not probes:
+                raise ValueError(
+                    "SolutionProbabilityDriftMonitor: probes is an empty list; give at least one probe, or None to ask the datamodule"
+                )
             self._check_probes(probes, "probes")
         if num_probes < 1 or every_n_steps < 1:
             raise ValueError(

@@ -2,7 +2,9 @@
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
 a checkpoint of the wrong kind, sizes that do not fit) ends the command with a short message naming
-the option or file; ``LIT_CANCEL_DEBUG=1`` shows the whole traceback instead.
+the option or file (exit status 2). A reward error, a run of non-finite steps or an I/O error during
+the run ends it with a short message naming the step and the checkpoint of the last good step (exit
+status 1). ``LIT_CANCEL_DEBUG=1`` shows the whole traceback instead.
 """
 
 import argparse
@@ -16,14 +18,17 @@ import zipfile
 from pathlib import Path
 
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lit_cancel import audit
+from lit_cancel import audit, presets
 from lit_cancel.data import RolloutDataModule
+from lit_cancel.objectives import Objective
+from lit_cancel.rollouts import RewardError, check_reward
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -36,10 +41,50 @@ _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 # errors whose message is clear without the exception's type (jsonargparse's own, the project's checks)
 _MESSAGE_SAYS_ALL = (ValueError, TypeError, OSError, LookupError, ImportError, AttributeError, argparse.ArgumentError)
+# errors that stop a started run for a reason the user can act on; any other keeps its traceback
+_RUN_STOPPERS = (RewardError, FloatingPointError, OSError)
+# argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_PRESETS = [name for name, value in vars(presets).items()
+            if isinstance(value, type) and issubclass(value, Objective) and value.__module__ == presets.__name__ and name[0] != "_"]
 
 
 class ConfigError(Exception):
     """A mistake in the command line, the config or the files it names, found before training starts."""
+
+
+class RunStopped(Exception):
+    """A reward error, a run of non-finite steps or an I/O error that stopped a run after it started.
+
+    The message is the cause's; ``step`` is the optimizer steps done, ``checkpoint`` the path of the
+    last checkpoint the run wrote (None when it wrote none).
+    """
+
+    def __init__(self, cause: BaseException, step: int, checkpoint: str | None):
+        super().__init__(str(cause))
+        self.step, self.checkpoint = step, checkpoint
+
+
+def last_checkpoint_written(trainer) -> str | None:
+    """The newest ``last_model_path`` among the trainer's ModelCheckpoint callbacks that exists on disk."""
+    paths = [Path(c.last_model_path) for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
+    written = [path for path in paths if path.exists()]
+    return str(max(written, key=lambda path: path.stat().st_mtime)) if written else None
+
+
+def yaml_error_location(message: str, args: list[str]) -> str:
+    """``message`` with jsonargparse's ``"<unicode string>"`` replaced by the config file whose YAML does not parse."""
+    configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    configs += [b for a, b in zip(args, args[1:]) if a == "--config"]
+    for config in configs:
+        try:
+            yaml.safe_load(Path(config).read_text())
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark or error.context_mark
+            return f"{config} line {mark.line + 1} column {mark.column + 1}: {error.problem or error.context}"
+        except (OSError, yaml.YAMLError):
+            continue
+    return message
 
 
 def explain(error: BaseException) -> str:
@@ -61,10 +106,16 @@ def explain(error: BaseException) -> str:
         error = cause
     innermost = error
     message = str(innermost) if isinstance(innermost, _MESSAGE_SAYS_ALL) else f"{type(innermost).__name__}: {innermost}"
+    if "Does not validate against any of the Union subtypes" in message and (
+        given := re.search(r"Problem with given class_path '(.+)':\s*\n\s*(.+)", message)
+    ):
+        last_class, message = given[1], given[2]
     if unknown := re.fullmatch(r"Option '(.+)' is not accepted", message):
         option = ".".join(path + ["init_args", unknown[1]])
         listed = f" (lit-cancel fit --{path[0]}.help {last_class} lists them)" if len(path) == 1 else ""
         return f"{option}: {last_class} has no option {unknown[1]!r}{listed}"
+    if path[-1:] == ["objective"] and last_class and re.search(r"has no attribute|No module named|not accessible", message):
+        message += f"; the presets: {', '.join('lit_cancel.' + name for name in _PRESETS)}"
     if re.search(r"(--|')(optimizer|lr_scheduler)\b", message):
         message += "; the optimizer and its schedule are options of the module: model.init_args.optimizer and model.init_args.lr_scheduler"
     where = ".".join(path)
@@ -145,7 +196,9 @@ class LitCancelCLI(LightningCLI):
     def init_parser(self, **kwargs):
         # parse errors are raised, and main() prints them short
         kwargs.setdefault("exit_on_error", False)
-        return super().init_parser(**kwargs)
+        parser = super().init_parser(**kwargs)
+        parser._negative_number_matcher = _NEGATIVE_NUMBER
+        return parser
 
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
@@ -157,7 +210,10 @@ class LitCancelCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as error:
-            raise ConfigError(explain(error)) from error
+            message = explain(error)
+            if "<unicode string>" in message:
+                message = yaml_error_location(message, sys.argv[1:] if args is None else list(args))
+            raise ConfigError(message) from error
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and not (ckpt_path.startswith(_LIGHTNING_CKPT_NAMES) and not Path(ckpt_path).exists()):
@@ -169,13 +225,36 @@ class LitCancelCLI(LightningCLI):
         except Exception as error:
             raise ConfigError(explain(error)) from error
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except _RUN_STOPPERS as error:
+            raise RunStopped(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
+
+    def check_reward(self) -> None:
+        """One call of the task's reward, so that a reward function with the wrong signature fails before the run."""
+        task = getattr(self.datamodule, "task", None)
+        if task is not None:
+            try:
+                check_reward(task)
+            except RewardError as error:
+                raise ConfigError(str(error)) from error
+
+    def before_validate(self) -> None:
+        self.check_reward()
+
     def before_fit(self) -> None:
+        lr = self.config.fit.get("model.init_args.optimizer.init_args.lr")
+        if isinstance(lr, int | float) and lr <= 0:
+            raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
+        self.check_reward()
         ckpt_path = self.config.fit.get("ckpt_path")
         if isinstance(self.datamodule, RolloutDataModule):
             objective = getattr(self.model, "objective", None)
             try:
                 self.datamodule.check_sizes(self.trainer.world_size, self.trainer.accumulate_grad_batches, fitting=True,
                                             objective=objective)
+                self.datamodule.check_prompt_lengths(self.model)
                 if ckpt_path and Path(ckpt_path).is_file():
                     saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
                     self.datamodule.check_resume(saved.get(type(self.datamodule).__qualname__, {}).get("run_shape", {}), objective)
@@ -256,6 +335,14 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
         sys.exit(2)
+    except RunStopped as error:
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        saved = f"the last good step is in {error.checkpoint}" if error.checkpoint else "no checkpoint was written"
+        sys.stderr.write(
+            f"lit-cancel: the run stopped at step {error.step} ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n{saved}\n"
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

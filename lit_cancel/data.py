@@ -1,9 +1,11 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
 import functools
+import math
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
@@ -11,7 +13,13 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved
 from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups
+from lit_cancel.sharding import total_norm
 from lit_cancel.tasks import Record, Task
+
+# a condition under which a run cannot learn is warned about at its first round and every this many rounds while it lasts
+WARN_EVERY_N_ROUNDS = 10
+# the weight norm is "exploding" above this multiple of its value at the first round
+EXPLODING_WEIGHT_NORM = 10.0
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -129,6 +137,8 @@ class RolloutDataModule(TaskDataModule):
         self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
         self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
         self.allow_resume_changes = allow_resume_changes
+        self.cannot_learn_rounds: dict[str, int] = {}
+        self.start_weight_norm: float | None = None
         self.rounds_done = 0
         self.prompt_draws = 0
         self.pending: list[RolloutBatch] = []
@@ -140,6 +150,26 @@ class RolloutDataModule(TaskDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         self.check_sizes(world, accumulation, fitting=stage == "fit", objective=self._objective())
+        if stage == "fit" and self.trainer is not None:
+            self.check_prompt_lengths(self.trainer.lightning_module)
+
+    def check_prompt_lengths(self, module: L.LightningModule) -> None:
+        """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
+        in the context of the module's model (``max_position_embeddings``); does nothing for a module without them."""
+        config = getattr(getattr(getattr(module, "policy", None), "model", None), "config", None)
+        context, max_new_tokens = getattr(config, "max_position_embeddings", None), getattr(module, "max_new_tokens", None)
+        if not isinstance(context, int) or not isinstance(max_new_tokens, int):
+            return
+        room = context - max_new_tokens
+        for split, records in (("train", self.task.train_records()), ("val", self.task.val_records())):
+            lengths = [len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"]]
+            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+            if longest is not None and lengths[longest] > room:
+                raise ValueError(
+                    f"the longest {split} prompt ({self.task.record_source(split, longest)}, {lengths[longest]} tokens) does not fit "
+                    f"the model's context: max_position_embeddings={context} minus max_new_tokens={max_new_tokens} leaves {room}; "
+                    "shorten or drop the long prompts, or lower model.init_args.max_new_tokens"
+                )
 
     def _objective(self) -> object:
         return getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
@@ -224,7 +254,49 @@ class RolloutDataModule(TaskDataModule):
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds)
+        eos = self.trainer.lightning_module.tokenizer.eos_token_id
+        completions = sampled.input_ids[:, sampled.prompt_length :]
+        stats["rollout/frac_truncated"] = (~((completions == eos) & sampled.completion_mask.bool()).any(1)).float().mean().item()
+        self.warn_if_cannot_learn(stats)
         return kept, stats
+
+    def warn_if_cannot_learn(self, stats: dict[str, float]) -> None:
+        """Warns, on rank 0, of what keeps this round from teaching the policy anything: every completion cut at
+        ``max_new_tokens``, no reward variance in any group, a weight norm that is not finite or above
+        ``EXPLODING_WEIGHT_NORM`` times its value at the first round. Each is warned at its first round and every
+        ``WARN_EVERY_N_ROUNDS`` rounds while it lasts."""
+        module = self.trainer.lightning_module
+        weight_norm = float(total_norm([p.detach() for p in module.parameters() if p.requires_grad]))
+        if self.start_weight_norm is None:
+            self.start_weight_norm = weight_norm
+        round_number = self.rounds_done + 1
+        lasting = f"(warned every {WARN_EVERY_N_ROUNDS} rounds while it lasts)"
+        if not math.isfinite(weight_norm):
+            weights = f"round {round_number}: the weight norm is {weight_norm}; lower the learning rate {lasting}"
+        elif weight_norm > EXPLODING_WEIGHT_NORM * self.start_weight_norm:
+            weights = (
+                f"round {round_number}: the weight norm is {weight_norm:.4g}, more than {EXPLODING_WEIGHT_NORM:g} times its "
+                f"{self.start_weight_norm:.4g} at the first round (exploding); lower the learning rate or the weight decay {lasting}"
+            )
+        else:
+            weights = None
+        truncated = (
+            f"round {round_number}: every completion reached max_new_tokens={getattr(module, 'max_new_tokens', '?')} without an "
+            f"end-of-sequence token, so every reward scores a cut-off answer; raise model.init_args.max_new_tokens {lasting}"
+        )
+        no_signal = (
+            f"round {round_number}: every group's rewards are equal (mean reward {stats['rollout/reward_mean']:g}), so every "
+            f"advantage is 0 and the policy gets no learning signal; check the task's reward on the rollouts {lasting}"
+        )
+        conditions = {
+            "truncated": truncated if stats["rollout/frac_truncated"] == 1 else None,
+            "no_signal": no_signal if stats["rollout/frac_zero_std_groups"] == 1 else None,
+            "weights": weights,
+        }
+        for name, message in conditions.items():
+            self.cannot_learn_rounds[name] = self.cannot_learn_rounds.get(name, 0) + 1 if message else 0
+            if message and self.cannot_learn_rounds[name] % WARN_EVERY_N_ROUNDS == 1:
+                rank_zero_warn(message)
 
     def make_round(self) -> list[RolloutBatch]:
         """Samples one round with the current policy and plans its micro-batches."""

@@ -20,7 +20,7 @@ from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
 from lit_cancel.rollouts import score
-from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard
+from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
 
 
 @dataclass
@@ -92,9 +92,9 @@ class PolicyModule(L.LightningModule):
     """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
 
     Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
-    ``records``; the datamodule's ``task`` gives the rewards. Logged:
-    ``val/accuracy`` (mean reward of ``val_samples`` samples per prompt at ``temperature``) and
-    ``val/greedy_accuracy`` (greedy pass@1).
+    ``records``; the datamodule's ``task`` gives the rewards. Logged at ``global_step`` (the steps
+    done, as the progress bar shows them): ``val/accuracy`` (mean reward of ``val_samples`` samples
+    per prompt at ``temperature``) and ``val/greedy_accuracy`` (greedy pass@1).
 
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
@@ -223,8 +223,18 @@ class PolicyModule(L.LightningModule):
         self.val_greedy_accuracy.update(score(task, records, greedy.texts))
         sampled = self.rollout(batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
         self.val_accuracy.update(score(task, [r for r in records for _ in range(self.val_samples)], sampled.texts))
-        self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples)
-        self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size)
+        # the loggers get the values in on_validation_epoch_end, at the step the training scalars and the bar show
+        self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples, logger=False)
+        self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size, logger=False)
+
+    def on_validation_epoch_end(self) -> None:
+        # Lightning would log a validation within fit at the steps done before the step that triggered it
+        if self.trainer.sanity_checking:
+            return
+        values = {"val/accuracy": float(self.val_accuracy.compute()), "val/greedy_accuracy": float(self.val_greedy_accuracy.compute())}
+        if self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(values, step=self.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.lora is not None:
@@ -269,7 +279,8 @@ class RLModule(PolicyModule):
     ``prompt_length``). The methods ``token_logprobs``, ``next_token_logprobs`` and
     ``sequence_logprobs`` give them their extra forward passes.
 
-    An optimizer step whose loss or gradient is not finite is skipped (the weights and the
+    Every optimizer step logs ``health/grad_norm``, the global gradient norm before clipping. An
+    optimizer step whose loss or gradient is not finite is skipped (the weights and the
     optimizer state stay as they were), counted in ``health/skipped_steps`` and named in a warning;
     after ``max_skipped_steps`` such steps in a row the run stops with an error.
 
@@ -363,7 +374,9 @@ class RLModule(PolicyModule):
         return {"loss": out.loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skips a step whose loss or gradient is not finite: without gradients the optimizer leaves every parameter alone."""
+        """Logs ``health/grad_norm`` (before clipping, which Lightning does after this hook) and skips a step whose loss or
+        gradient is not finite: without gradients the optimizer leaves every parameter alone."""
+        self.log("health/grad_norm", total_norm([p.grad for p in self.parameters() if p.grad is not None]))
         # sharded gradients are DTensors: each process checks its own shard, then the processes agree
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.parameters() if p.grad is not None]
         gradient_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)

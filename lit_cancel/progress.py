@@ -5,11 +5,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import BatchesProcessedColumn, RichProgressBarTheme
+from lightning.pytorch.callbacks.progress.rich_progress import (
+    BatchesProcessedColumn,
+    CustomBarColumn,
+    CustomTimeColumn,
+    ProcessingSpeedColumn,
+    RichProgressBarTheme,
+)
+from rich.progress import TimeRemainingColumn
 from rich.text import Text
 from typing_extensions import override
 
 DEFAULT_METRICS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "val_acc": "val/accuracy"}
+# characters of the bar itself
+BAR_WIDTH = 12
+# a metric left out while it equals the other: with 0/1 rewards the accuracy is the mean reward
+EQUAL_WITH_01_REWARDS = {"rollout/accuracy": "rollout/reward_mean"}
 
 
 class StepProgressBar(RichProgressBar):
@@ -20,7 +31,10 @@ class StepProgressBar(RichProgressBar):
     done (``trainer.global_step``, so a resumed run continues its count) out of the steps the
     run will make (``max_steps``, or what ``max_epochs`` amounts to), and after it the latest
     values of the logged metrics in ``metrics``, then anything logged with ``prog_bar=True``.
-    Validation rows are Lightning's.
+    ``rollout/accuracy`` is left out while it equals ``rollout/reward_mean`` (as with 0/1 rewards).
+    While validation runs within fit, the held-out metrics (``val/...``, ``val_acc``) read
+    ``running``. Validation rows are Lightning's. The columns (description, a short bar, the time
+    remaining, the metrics) fit an 80-column terminal with the default metrics.
 
     With ``trainer.enable_progress_bar: false`` the ``lit-cancel`` command drops this callback
     from the configured callbacks (Lightning refuses a progress bar callback otherwise). Outside a
@@ -66,11 +80,26 @@ class StepProgressBar(RichProgressBar):
 
     @override
     def configure_columns(self, trainer: "pl.Trainer") -> list:
-        # the training row says its count in its description; the validation rows keep their batch count
-        return [
-            _EvaluationBatchesColumn(self, style=self.theme.batch_progress) if isinstance(column, BatchesProcessedColumn) else column
-            for column in super().configure_columns(trainer)
-        ]
+        # the training row says its count in its description; the validation rows keep their batch count.
+        # A short bar and the time remaining alone (no elapsed time, no speed) leave the metrics room in 80 columns.
+        columns = []
+        for column in super().configure_columns(trainer):
+            if isinstance(column, BatchesProcessedColumn):
+                column = _EvaluationBatchesColumn(self, style=self.theme.batch_progress)
+            elif isinstance(column, CustomBarColumn):
+                column.bar_width = BAR_WIDTH
+            elif isinstance(column, CustomTimeColumn):
+                column = TimeRemainingColumn(compact=True)
+            elif isinstance(column, ProcessingSpeedColumn):
+                continue
+            columns.append(column)
+        return columns
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_validation_start(trainer, pl_module)
+        if trainer.state.fn == "fit" and self.is_enabled and self.train_progress_bar_id is not None:
+            self._update_metrics(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -92,11 +121,20 @@ class StepProgressBar(RichProgressBar):
     @override
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
         logged = trainer.callback_metrics
-        shown: dict[str, Any] = {label: float(logged[name]) for label, name in self.metrics.items() if name in logged}
+        shown: dict[str, Any] = {}
+        for label, name in self.metrics.items():
+            if trainer.validating and trainer.state.fn == "fit" and name.startswith("val/"):
+                shown[label] = "running"
+            elif name in logged and not (name in EQUAL_WITH_01_REWARDS and _equal(logged, name, EQUAL_WITH_01_REWARDS[name])):
+                shown[label] = float(logged[name])
         for name, value in super().get_metrics(trainer, pl_module).items():
             if name != "v_num" and name not in self.metrics.values():
                 shown[name] = value
         return shown
+
+
+def _equal(logged: dict, name: str, other: str) -> bool:
+    return other in logged and float(logged[name]) == float(logged[other])
 
 
 class _EvaluationBatchesColumn(BatchesProcessedColumn):

@@ -55,6 +55,20 @@ def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
     return torch.tensor(rewards)
 
 
+def check_reward(task: Task) -> None:
+    """Calls ``task.reward`` once, on the first training record and an empty completion.
+
+    A reward function with the wrong signature, one that raises on an empty completion, or one that
+    returns something other than a finite number raises :class:`RewardError` here, before any training.
+    """
+    records = task.train_records()[:1] or task.val_records()[:1]
+    try:
+        score(task, records, [""])
+    except RewardError as error:
+        expected = "a task's reward is called as reward(record, completion) and returns a number"
+        raise RewardError(f"{error} (checked at start-up: {expected})") from error
+
+
 def sample_groups(
     module, task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int, round_index: int,
     with_old_logprobs: bool,

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
@@ -108,3 +109,9 @@ def gathered(root: nn.Module) -> Iterator[None]:
         root.set_reshard_after_forward(True)
         # the root stays gathered between forward and backward, as fully_shard sets it up
         root.set_reshard_after_forward(False, recurse=False)
+
+
+def total_norm(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of ``tensors`` taken together; sharded ones (DTensor, under FSDP2) count whole, on every process."""
+    norm = torch.nn.utils.get_total_norm(tensors)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

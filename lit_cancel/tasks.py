@@ -35,6 +35,10 @@ class Task(ABC):
     def solutions(self, record: Record) -> list[str]:
         """Correct completions of ``record``; several where the task has equivalent solutions."""
 
+    def record_source(self, split: str, index: int) -> str:
+        """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
+        return f"{split} record {index}"
+
 
 class AdditionTask(Task):
     """Multi-digit addition with a written, digit-by-digit scratchpad.
@@ -203,6 +207,25 @@ def final_number_reward(record: Record, completion: str) -> float:
     return float(predicted is not None and abs(predicted - record["answer_number"]) < 1e-6)
 
 
+def _not_utf8_because(file: Path) -> str | None:
+    """Where ``file`` stops being UTF-8 (its line and byte column, 1-based), or None when it is UTF-8 throughout."""
+    data = file.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = data.count(b"\n", 0, bad.start) + 1
+        column = bad.start - data.rfind(b"\n", 0, bad.start)
+        return f"line {line} is not UTF-8 (byte 0x{data[bad.start]:02x} at column {column}); save the file as UTF-8"
+    return None
+
+
+def _row_lines(file: Path) -> list[str]:
+    """How each row of ``file`` is named in messages: its line in a jsonl file (1-based, blank lines counted), else its row."""
+    if file.suffix == ".jsonl":
+        return [f"line {number}" for number, line in enumerate(file.read_text().splitlines(), start=1) if line.strip()]
+    return []
+
+
 def _unreadable_because(file: Path, error: Exception) -> str:
     """Why ``datasets`` could not read ``file``: the first JSON line (or document) that does not parse, where there is one."""
     if file.suffix == ".parquet":
@@ -256,7 +279,7 @@ class MathWordTask(Task):
             raise ValueError(f"MathWordTask: prompt_template must contain '{{question}}', got {prompt_template!r}")
         self.question_field, self.answer_field = question_field, answer_field
         self.prompt_template, self.reward_fn = prompt_template, reward_fn
-        train = self._load(train_file)
+        train, train_sources = self._load(train_file)
         if val_file is None:
             if not 0 < val_size < len(train):
                 raise ValueError(
@@ -264,11 +287,17 @@ class MathWordTask(Task):
                     "minus one, or give val_file"
                 )
             train, val = train[:-val_size], train[-val_size:]
+            train_sources, val_sources = train_sources[:-val_size], train_sources[-val_size:]
         else:
-            val = self._load(val_file)
+            val, val_sources = self._load(val_file)
         self._train, self._val = train, val
+        self._sources = {"train": train_sources, "val": val_sources}
 
-    def _load(self, path: str) -> list[Record]:
+    def record_source(self, split: str, index: int) -> str:
+        return self._sources[split][index]
+
+    def _load(self, path: str) -> tuple[list[Record], list[str]]:
+        """The records of ``path``, and where each comes from (``"'path' line N"``)."""
         import datasets
 
         file = Path(path)
@@ -277,6 +306,8 @@ class MathWordTask(Task):
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
         if builder is None:
             raise ValueError(f"MathWordTask: data file {path!r} must end in .jsonl, .json or .parquet")
+        if builder == "json" and (not_utf8 := _not_utf8_because(file)):
+            raise ValueError(f"MathWordTask: data file {path!r} {not_utf8}")
         try:
             rows = datasets.load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:
@@ -289,13 +320,15 @@ class MathWordTask(Task):
                 f"MathWordTask: data file {path!r} has no field {missing[0]!r} (fields: {rows.column_names}); "
                 f"expected rows with {self.question_field!r} and {self.answer_field!r}, or set question_field/answer_field"
             )
+        lines = _row_lines(file)
+        sources = [f"{path!r} {lines[index] if index < len(lines) else f'row {index + 1}'}" for index in range(len(rows))]
         records = []
         for index, row in enumerate(rows):
             answer = row[self.answer_field]
             number = parse_final_number(answer) if isinstance(answer, str) and "####" in answer else None
             if number is None:
                 raise ValueError(
-                    f"MathWordTask: {path!r} row {index} field {self.answer_field!r} is {answer!r}; "
+                    f"MathWordTask: {sources[index]} field {self.answer_field!r} is {answer!r}; "
                     "expected text ending in '#### <number>'"
                 )
             records.append(
@@ -305,7 +338,7 @@ class MathWordTask(Task):
                     "answer_number": number,
                 }
             )
-        return records
+        return records, sources
 
     def train_records(self) -> list[Record]:
         return self._train

@@ -128,6 +128,26 @@ def test_learning_tax_has_its_hand_computed_value_for_non_exchangeable_credits()
     assert monitor.last_shared_kl == pytest.approx(shared_context_kl(0.25) / 2, rel=1e-5)
 
 
+def test_learning_tax_warns_once_when_no_group_has_two_members():
+    singletons = {**group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0]), "group_ids": torch.tensor([0, 1])}
+    monitor = LearningTaxMonitor(kl_every_n_steps=0)
+    with pytest.warns(UserWarning, match="no group has two members") as record:
+        fit(BigramPolicy([singletons] * 3), [monitor], 3)
+    assert monitor.last_tax == 0.0
+    assert [str(w.message) for w in record if "LearningTaxMonitor" in str(w.message)] == [
+        "LearningTaxMonitor at step 0: no group has two members in this step's micro-batches (every group_ids value appears "
+        "once), so no token is shared and the tax 0.0 measures nothing; give the rows of one prompt the same group id (warned once)"
+    ]
+
+
+def test_learning_tax_of_real_groups_does_not_warn_about_groups():
+    monitor = LearningTaxMonitor(kl_every_n_steps=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 2), [monitor], 2)
+    assert not [w for w in record if "no group has two members" in str(w.message)]
+
+
 def test_learning_tax_alert_stops_training():
     monitor = LearningTaxMonitor(max_tax=0.01, action="stop")
     trainer = fit(BigramPolicy([group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])] * 5), [monitor], 5)
@@ -417,6 +437,7 @@ def test_solution_drift_log_odds_and_preference_entropy_of_a_constructed_probe()
         (lambda: SolutionProbabilityDriftMonitor(probes=[{"prompt": "a"}]), r"probes\[0\] must be a dict with a 'prompt'"),
         (lambda: SolutionProbabilityDriftMonitor(probes=[{"prompt": "a", "solutions": [[1, "b"]]}]), "string or a list of token ids"),
         (lambda: SolutionProbabilityDriftMonitor(min_entropy_ratio=0), "min_entropy_ratio must be in"),
+        (lambda: SolutionProbabilityDriftMonitor(probes=[]), "probes is an empty list; give at least one probe"),
     ],
 )
 def test_callback_arguments_are_checked(make, message):

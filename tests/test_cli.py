@@ -45,7 +45,7 @@ def test_fit_logs_the_documented_scalars(tmp_path):
         "health/drift_preference_entropy", "health/flip_boosted_positive", "health/flip_suppressed_negative",
     ]:
         assert name in logged, name
-    assert [step for step, _ in logged["val/accuracy"]] == [0, 9]  # before training and after step 10
+    assert [step for step, _ in logged["val/accuracy"]] == [0, 10]  # before training and after step 10, as the bar shows
     assert len(logged["rollout/reward_mean"]) == 10
     assert 0 < logged["health/entropy"][0][1] < torch.log(torch.tensor(99.0))
 

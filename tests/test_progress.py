@@ -1,7 +1,9 @@
 """StepProgressBar: steps and reward on a tiny RL run, outside a terminal (as in CI)."""
 
+import io
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -9,6 +11,7 @@ import rich
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lit_cancel.callbacks import RolloutSamplesLogger
+from rich.console import Console
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.cli import LitCancelCLI
@@ -23,10 +26,19 @@ class RecordBar(L.Callback):
     """After each training batch: the step, the batch's rewards, and what the bar shows."""
 
     def __init__(self, bar: StepProgressBar):
-        self.bar, self.rows, self.validations = bar, [], []
+        self.bar, self.rows, self.validations, self.screens = bar, [], [], []
 
     def on_validation_end(self, trainer, pl_module):
         self.validations.append(float(trainer.callback_metrics["val/accuracy"]))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.screens.append(self.screen())
+
+    def screen(self) -> list[str]:
+        """The bar's rows as a wide terminal shows them."""
+        console = Console(width=200, file=io.StringIO(), record=True)
+        console.print(self.bar.progress.make_tasks_table(self.bar.progress.tasks))
+        return [line.rstrip() for line in console.export_text().splitlines()]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         task = self.bar.train_progress_bar
@@ -34,13 +46,22 @@ class RecordBar(L.Callback):
             "step": trainer.global_step, "rewards": batch.rewards.clone(), "description": task.description,
             "completed": task.completed, "total": task.total, "metrics": self.bar.get_metrics(trainer, pl_module),
         })
+        self.screens.append(self.screen())
 
 
-def fit(bar: StepProgressBar, steps: int, accumulate: int = 1, **trainer_options):
+class StopAfter(L.Callback):
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.should_stop = trainer.global_step >= self.steps
+
+
+def fit(bar: StepProgressBar, steps: int, accumulate: int = 1, callbacks=(), **trainer_options):
     record = RecordBar(bar)
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
-        accumulate_grad_batches=accumulate, callbacks=[bar, record], **trainer_options,
+        accumulate_grad_batches=accumulate, callbacks=[bar, record, *callbacks], **trainer_options,
     )
     torch.manual_seed(0)
     module = RLModule("embedded:tiny-adder", max_new_tokens=40, val_samples=1, optimizer=partial(torch.optim.AdamW, lr=1e-4))
@@ -57,11 +78,32 @@ def test_the_bar_counts_steps_and_shows_the_round_reward_and_accuracy_outside_a_
     assert [row["description"] for row in rows] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]
     assert [(row["completed"], row["total"]) for row in rows] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     for row in rows:
-        # one round per step: the round's mean reward and share of rewarded rollouts are the batch's
+        # one round per step: the round's mean reward is the batch's; with 0/1 rewards the accuracy equals it and is left out
         assert row["metrics"]["reward"] == pytest.approx(float(row["rewards"].mean()))
-        assert row["metrics"]["acc"] == pytest.approx(float((row["rewards"] > 0).float().mean()))
+        assert "acc" not in row["metrics"]
     assert "val_acc" not in rows[1]["metrics"]  # validation runs after step 2's batch
     assert rows[2]["metrics"]["val_acc"] == rows[3]["metrics"]["val_acc"] == pytest.approx(record.validations[0])
+
+
+def test_the_bar_fits_80_columns_and_says_when_validation_is_running():
+    bar = StepProgressBar()
+    # out of 100 steps (the width of a real run's count), stopped after 3
+    record = fit(bar, steps=100, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0, callbacks=[StopAfter(3)])[1]
+    assert max(len(line) for screen in record.screens for line in screen) <= 80, record.screens
+    during_validation = [screen[0] for screen in record.screens if len(screen) == 2]
+    assert during_validation and all(line.endswith("val_acc: running") for line in during_validation)
+    assert isinstance(record.rows[2]["metrics"]["val_acc"], float)  # the step after validation shows its value
+
+
+def test_accuracy_is_shown_where_it_differs_from_the_reward():
+    bar = StepProgressBar()
+    trainer = SimpleNamespace(
+        callback_metrics={"rollout/reward_mean": torch.tensor(0.25), "rollout/accuracy": torch.tensor(0.5)},
+        progress_bar_metrics={}, loggers=[], validating=False, state=SimpleNamespace(fn="fit"),
+    )
+    assert bar.get_metrics(trainer, None) == {"reward": 0.25, "acc": 0.5}
+    trainer.callback_metrics["rollout/accuracy"] = torch.tensor(0.25)
+    assert bar.get_metrics(trainer, None) == {"reward": 0.25}
 
 
 def test_with_accumulation_the_bar_counts_optimizer_steps_not_micro_batches():

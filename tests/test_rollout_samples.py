@@ -11,8 +11,11 @@ from lit_cancel.callbacks import RolloutSamplesLogger
 from lit_cancel.callbacks.rollout_samples import markdown_cell
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugin_util import markdown_to_safe_html
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
+from lit_cancel.tokenizer import build_char_tokenizer
 
 TASK = AdditionTask(num_digits=3, train_size=64, val_size=8, seed=0)
 
@@ -112,3 +115,42 @@ def test_a_cell_renders_its_text_literally_in_tensorboard():
 def test_bad_arguments_fail_at_construction(kwargs):
     with pytest.raises(ValueError, match="RolloutSamplesLogger"):
         RolloutSamplesLogger(**kwargs)
+
+
+class ForeignModule(L.LightningModule):
+    """A model outside lit_cancel whose finite epochs of 5 batches meet RolloutSamplesLogger's contract."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokenizer = build_char_tokenizer()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.steps_at_batch_start: list[int] = []
+        ids = torch.tensor(self.tokenizer(["1+2=3", "2+2=4"], add_special_tokens=False)["input_ids"])
+        self.batch = {"input_ids": ids, "prompt_length": 4, "completion_mask": torch.ones(2, 1), "rewards": torch.ones(2),
+                      "advantages": torch.zeros(2)}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.steps_at_batch_start.append(self.trainer.global_step)
+
+    def training_step(self, batch, batch_idx):
+        self.log("loss", (self.weight - 1) ** 2)
+        return (self.weight - 1) ** 2
+
+    def train_dataloader(self):
+        return DataLoader([self.batch] * 5, batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_with_accumulation_and_an_odd_epoch_it_logs_once_per_optimizer_step_at_the_global_step(tmp_path):
+    samples, module = RolloutSamplesLogger(every_n_steps=1, num_samples=1), ForeignModule()
+    logger = TensorBoardLogger(tmp_path, name="foreign")
+    trainer = L.Trainer(max_steps=7, accelerator="cpu", logger=logger, log_every_n_steps=1, accumulate_grad_batches=2,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[samples])
+    trainer.fit(module)
+    # 5 batches an epoch: steps of 2, 2 and 1 micro-batches
+    assert sorted(set(module.steps_at_batch_start)) == samples.logged_steps == list(range(7))
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    assert sorted(texts_by_step(events)) == list(range(7))

@@ -82,11 +82,30 @@ def test_math_word_task_names_missing_field(tmp_path):
         MathWordTask(train_file=str(path), val_file=str(path))
 
 
-def test_math_word_task_names_bad_row(tmp_path):
+def test_math_word_task_names_bad_row_by_its_file_line(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q", "answer": "two"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 1 field 'answer' is 'two'.*'#### <number>'"):
+    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n\n" + json.dumps({"question": "q", "answer": "two"}) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl' line 3 field 'answer' is 'two'.*'#### <number>'"):
         MathWordTask(train_file=str(path), val_file=str(path))
+
+
+def test_math_word_task_names_a_byte_that_is_not_utf8_with_its_line_and_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError) as refusal:
+        MathWordTask(train_file=str(path), val_file=str(path))
+    assert str(refusal.value) == (
+        f"MathWordTask: data file '{path}' line 3 is not UTF-8 (byte 0xe9 at column 18); save the file as UTF-8"
+    )
+
+
+def test_records_know_their_file_lines(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(3)]
+    path.write_text(rows[0] + "\n\n" + rows[1] + "\n" + rows[2] + "\n")
+    task = MathWordTask(train_file=str(path), val_size=1)
+    assert [task.record_source("train", i) for i in range(2)] == [f"'{path}' line 1", f"'{path}' line 3"]
+    assert task.record_source("val", 0) == f"'{path}' line 4"
 
 
 def test_math_word_task_missing_file(tmp_path):
