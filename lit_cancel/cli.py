@@ -23,7 +23,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit
+from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
+from lit_cancel.runs import prepare_run
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -147,6 +149,10 @@ class LitCancelCLI(LightningCLI):
         kwargs.setdefault("exit_on_error", False)
         return super().init_parser(**kwargs)
 
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="start a new run in a folder that already holds one; its checkpoints replace those of the same name")
+
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
         if trainer.enable_progress_bar is False and isinstance(trainer.callbacks, list):
@@ -159,6 +165,11 @@ class LitCancelCLI(LightningCLI):
         except argparse.ArgumentError as error:
             raise ConfigError(explain(error)) from error
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            try:
+                prepare_run(self.config[subcommand], subcommand)
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and not (ckpt_path.startswith(_LIGHTNING_CKPT_NAMES) and not Path(ckpt_path).exists()):
             check_checkpoint(ckpt_path, lora=self.config[subcommand].get("model.init_args.lora") is not None)
@@ -168,6 +179,10 @@ class LitCancelCLI(LightningCLI):
             super().instantiate_classes()
         except Exception as error:
             raise ConfigError(explain(error)) from error
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        with stops_reported(self.trainer):
+            super()._run_subcommand(subcommand)
 
     def before_fit(self) -> None:
         ckpt_path = self.config.fit.get("ckpt_path")
@@ -256,6 +271,11 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
         sys.exit(2)
+    except RunStopped as stop:
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"lit-cancel: {stop}\n")
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":
