@@ -168,6 +168,12 @@ class RunCheckpoint(ModelCheckpoint):
             self._step_in_last = trainer.global_step
 
     @override
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            # Lightning restores the loops for fit only: a validation of a step-N checkpoint would log at step 0
+            trainer.fit_loop.epoch_loop._batches_that_stepped = checkpoint.get("global_step", 0)
+
+    @override
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
         if trainer.loggers:
             logger = trainer.loggers[0]

@@ -137,7 +137,7 @@ def test_resume_and_validate_continue_the_run_folder_and_its_curves(tmp_path):
     assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0"]
     assert saved_step(last) == 4
     assert scalar_steps(last.parents[1], "rollout/reward_mean") == [0, 1, 2, 3]
-    assert len(scalar_steps(last.parents[1], "val/accuracy")) == 1
+    assert scalar_steps(last.parents[1], "val/accuracy") == [4]  # at the checkpoint's step, on the run's curve
 
 
 def test_ckpt_path_last_resumes_the_latest_run_of_the_config(tmp_path, monkeypatch, capsys):
