@@ -41,6 +41,13 @@ class CheckpointWriteError(RunStopped):
         super().__init__(f"could not write a checkpoint in {folder}: {error}; {kept}", exit_code=1)
 
 
+def _new_file_mode() -> int:
+    """The permissions ``open()`` gives a new file under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that never leaves a partial file: it writes a temporary file in the target's folder,
     flushes it to disk and renames it over the target, so a failed write (a full disk, a lost mount) leaves the
@@ -61,6 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(descriptor, "wb") as file:
+                os.fchmod(file.fileno(), _new_file_mode())  # mkstemp's 0o600 would hide checkpoints from the user's group
                 torch.save(checkpoint, file)
                 file.flush()
                 os.fsync(file.fileno())
@@ -177,7 +185,8 @@ class RunCheckpoint(ModelCheckpoint):
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
         if trainer.loggers:
             logger = trainer.loggers[0]
-            checkpoint["run"] = {"save_dir": logger.save_dir, "name": logger.name, "version": logger.version, "log_dir": logger.log_dir}
+            checkpoint["run"] = {"save_dir": logger.save_dir, "name": logger.name, "version": logger.version,
+                                 "log_dir": getattr(logger, "log_dir", None)}
 
 
 def stop_report(trainer: "pl.Trainer") -> RunStopped:

@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -62,6 +63,9 @@ def test_last_ckpt_holds_the_final_step_between_checkpoint_intervals(tmp_path):
     run_cli(["fit", "--config", str(write_config(tmp_path, max_steps=7, every_n_train_steps=5))])
     assert saved_step(checkpoints(tmp_path) / "last.ckpt") == 7
     assert sorted(path.name for path in checkpoints(tmp_path).iterdir()) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((checkpoints(tmp_path) / "last.ckpt").stat().st_mode) == 0o666 & ~umask  # as open() creates files
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
