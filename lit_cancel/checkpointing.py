@@ -1,5 +1,6 @@
 """Checkpoints that keep the tail of a run: the final step, the step a signal stopped at, written atomically."""
 
+import io
 import os
 import signal
 import tempfile
@@ -63,13 +64,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
+        # serialized in memory first, as TorchCheckpointIO does: torch.save writing to a full disk raises a
+        # RuntimeError without the OS error, a plain write raises the OSError itself
+        serialized = io.BytesIO()
+        torch.save(checkpoint, serialized)
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(descriptor, "wb") as file:
                 os.fchmod(file.fileno(), _new_file_mode())  # mkstemp's 0o600 would hide checkpoints from the user's group
-                torch.save(checkpoint, file)
+                file.write(serialized.getbuffer())
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, path)

@@ -72,14 +72,16 @@ def test_last_ckpt_holds_the_final_step_between_checkpoint_intervals(tmp_path):
 def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop):
     config = write_config(tmp_path, max_steps=100_000)
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
-    run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    last = checkpoints(tmp_path) / "last.ckpt"
-    deadline = time.monotonic() + 120
-    while not last.exists() and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    run.send_signal(stop)
-    _, stderr = run.communicate(timeout=120)
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=errors)
+        last = checkpoints(tmp_path) / "last.ckpt"
+        deadline = time.monotonic() + 120
+        while not last.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run.send_signal(stop)
+        run.wait(timeout=120)
+    stderr = (tmp_path / "stderr.txt").read_text()
     assert run.returncode == 128 + stop, stderr[-2000:]
     line = stderr.strip().splitlines()[-1]
     said = re.fullmatch(rf"lit-cancel: stopped by {stop.name} at step (\d+); resume with --ckpt_path (.+)", line)
@@ -89,16 +91,16 @@ def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_numbe
 
 
 def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
-    save, calls = torch.save, []
+    fsync, last_writes = os.fsync, []
 
-    def disk_full_at_the_fourth_write(obj, file, *args, **kwargs):
-        calls.append(file)
-        if len(calls) == 4:  # step 2's last.ckpt: steps 1 and 2 each write epoch=0-step=N.ckpt, then last.ckpt
-            file.write(b"PK\x03\x04 half a checkpoint")
-            raise OSError(28, "No space left on device")
-        return save(obj, file, *args, **kwargs)
+    def disk_full_at_the_second_last_ckpt(descriptor):
+        if ".last.ckpt." in os.readlink(f"/proc/self/fd/{descriptor}"):  # the temporary file of last.ckpt, fully written
+            last_writes.append(descriptor)
+            if len(last_writes) == 2:
+                raise OSError(28, "No space left on device")
+        fsync(descriptor)
 
-    monkeypatch.setattr(torch, "save", disk_full_at_the_fourth_write)
+    monkeypatch.setattr(os, "fsync", disk_full_at_the_second_last_ckpt)
     code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path, max_steps=5)))
     folder = checkpoints(tmp_path)
     assert code == 1
