@@ -181,6 +181,7 @@ class LitCancelCLI(LightningCLI):
             raise ConfigError(explain(error)) from error
 
     def _run_subcommand(self, subcommand: str) -> None:
+        # a signal ends Lightning's loops with SIGTERMException, a SystemExit of status 0: main() tells it as it was
         with stops_reported(self.trainer):
             super()._run_subcommand(subcommand)
 
