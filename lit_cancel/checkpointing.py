@@ -199,6 +199,8 @@ def stop_report(trainer: "pl.Trainer") -> RunStopped:
     checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, RunCheckpoint)), None)
     number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
     step = trainer.global_step
+    if trainer.state.fn != TrainerFn.FITTING:
+        return RunStopped(f"stopped by {number.name} during {trainer.state.fn.value}: nothing to resume", exit_code=128 + number)
     stopped = f"stopped by {number.name} at step {step}"
     if checkpoint and checkpoint.write_error:
         return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=128 + number)

@@ -5,7 +5,9 @@ The functions read and change the parsed config of a ``lit-cancel`` subcommand (
 naming the option for a config that cannot be run safely.
 """
 
+import errno
 import importlib
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -106,12 +108,11 @@ def check_writable(config: Namespace) -> None:
             existing = existing.parent
         try:
             if not existing.is_dir():
-                raise NotADirectoryError(f"{existing} is not a folder")
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
             with tempfile.TemporaryFile(dir=existing):
                 pass
         except OSError as error:
-            reason = error.strerror or str(error)
-            raise ValueError(f"{option}: cannot write in {folder} ({reason}: {existing})") from error
+            raise ValueError(f"{option}: cannot write in {folder} ({error.strerror}: {existing})") from error
 
 
 def newest_last_checkpoint(config: Namespace) -> str:
