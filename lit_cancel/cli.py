@@ -26,9 +26,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit, presets
+from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
+from lit_cancel.runs import prepare_run
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -42,7 +44,7 @@ _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 # errors whose message is clear without the exception's type (jsonargparse's own, the project's checks)
 _MESSAGE_SAYS_ALL = (ValueError, TypeError, OSError, LookupError, ImportError, AttributeError, argparse.ArgumentError)
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
-_RUN_STOPPERS = (RewardError, FloatingPointError, OSError)
+_RUN_ERRORS = (RewardError, FloatingPointError, OSError)
 # argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _PRESETS = [name for name, value in vars(presets).items()
@@ -53,7 +55,7 @@ class ConfigError(Exception):
     """A mistake in the command line, the config or the files it names, found before training starts."""
 
 
-class RunStopped(Exception):
+class RunError(Exception):
     """A reward error, a run of non-finite steps or an I/O error that stopped a run after it started.
 
     The message is the cause's; ``step`` is the optimizer steps done, ``checkpoint`` the path of the
@@ -200,6 +202,10 @@ class LitCancelCLI(LightningCLI):
         parser._negative_number_matcher = _NEGATIVE_NUMBER
         return parser
 
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="start a new run in a folder that already holds one; its checkpoints replace those of the same name")
+
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
         if trainer.enable_progress_bar is False and isinstance(trainer.callbacks, list):
@@ -215,6 +221,11 @@ class LitCancelCLI(LightningCLI):
                 message = yaml_error_location(message, sys.argv[1:] if args is None else list(args))
             raise ConfigError(message) from error
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            try:
+                prepare_run(self.config[subcommand], subcommand)
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and not (ckpt_path.startswith(_LIGHTNING_CKPT_NAMES) and not Path(ckpt_path).exists()):
             check_checkpoint(ckpt_path, lora=self.config[subcommand].get("model.init_args.lora") is not None)
@@ -227,9 +238,11 @@ class LitCancelCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
-            super()._run_subcommand(subcommand)
-        except _RUN_STOPPERS as error:
-            raise RunStopped(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
+            # a signal ends Lightning's loops with SIGTERMException, a SystemExit of status 0: main() tells it as it was
+            with stops_reported(self.trainer):
+                super()._run_subcommand(subcommand)
+        except _RUN_ERRORS as error:
+            raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
         """One call of the task's reward, so that a reward function with the wrong signature fails before the run."""
@@ -335,7 +348,7 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
         sys.exit(2)
-    except RunStopped as error:
+    except RunError as error:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
         saved = f"the last good step is in {error.checkpoint}" if error.checkpoint else "no checkpoint was written"
@@ -343,6 +356,11 @@ def main() -> None:
             f"lit-cancel: the run stopped at step {error.step} ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n{saved}\n"
         )
         sys.exit(1)
+    except RunStopped as stop:
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"lit-cancel: {stop}\n")
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -53,12 +53,11 @@ def test_fit_logs_the_documented_scalars(tmp_path):
 def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     interrupted = main(quick_args(tmp_path / "a", 2))
     checkpoint = Path(interrupted.trainer.logger.log_dir) / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_file()
+    start = torch.load(checkpoint, weights_only=False)["state_dict"]
     resumed = main(quick_args(tmp_path / "a", 4, f"--ckpt_path={checkpoint}"))
     straight = main(quick_args(tmp_path / "b", 4))
     assert resumed.trainer.global_step == straight.trainer.global_step == 4
     assert resumed.datamodule.rounds_done == straight.datamodule.rounds_done == 4
-    start = torch.load(checkpoint, weights_only=False)["state_dict"]
     moved = False
     for (name, a), b in zip(resumed.model.state_dict().items(), straight.model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name  # same rollouts, same updates

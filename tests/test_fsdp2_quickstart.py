@@ -51,7 +51,7 @@ def test_fsdp2_quickstart_trains_checkpoints_resumes_and_exports(tmp_path):
     # resumed into the shards (model, AdamW state, rollout counters): the same run as one without a stop
     fit(tmp_path / "a", 4, f"--ckpt_path={checkpoint}")
     fit(tmp_path / "b", 4)
-    resumed = torch.load(run.parent / "version_1" / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(checkpoint, weights_only=False)  # the run goes on in its own folder
     straight = torch.load(tmp_path / "b" / "quickstart-fsdp2-cpu" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == straight["global_step"] == 4
     for name, tensor in straight["state_dict"].items():
@@ -62,7 +62,7 @@ def test_fsdp2_quickstart_trains_checkpoints_resumes_and_exports(tmp_path):
                    check=True, capture_output=True, timeout=300)
     exported = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in exported.state_dict().items():
-        assert torch.equal(tensor, state["state_dict"][f"policy.model.{name}"]), name
+        assert torch.equal(tensor, resumed["state_dict"][f"policy.model.{name}"]), name
 
 
 def test_tensor_parallel_fails_at_start_naming_the_option(tmp_path):

@@ -196,13 +196,14 @@ def test_ctrl_c_writes_last_ckpt_and_resuming_gives_the_uninterrupted_parameters
     )
     assert interrupted.returncode == 1, interrupted.stderr[-2000:]
     assert "KeyboardInterrupt" in interrupted.stdout + interrupted.stderr
-    assert last_checkpoint(tmp_path / "a")["global_step"] == 3
+    stopped = last_checkpoint(tmp_path / "a")
+    assert stopped["global_step"] == 3
     checkpoint = tmp_path / "a" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
     run_cli(quick_args(tmp_path / "a", 5, f"--ckpt_path={checkpoint}"))
     run_cli(quick_args(tmp_path / "b", 5))
-    resumed, straight = last_checkpoint(tmp_path / "a", version=1), last_checkpoint(tmp_path / "b")
+    resumed, straight = last_checkpoint(tmp_path / "a"), last_checkpoint(tmp_path / "b")  # the run continues in version_0
     assert resumed["global_step"] == straight["global_step"] == 5
-    stopped = last_checkpoint(tmp_path / "a")["state_dict"]
+    stopped = stopped["state_dict"]
     for name, tensor in straight["state_dict"].items():
         assert torch.allclose(resumed["state_dict"][name], tensor, atol=1e-6), name
     assert any(not torch.equal(stopped[name], tensor) for name, tensor in straight["state_dict"].items())

@@ -121,7 +121,7 @@ def test_a_run_that_stops_says_so_in_three_lines_with_exit_status_1(tmp_path, mo
 def test_the_debug_variable_raises_the_run_error_with_its_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *quick_args(tmp_path, 4, "--trainer.callbacks+=test_run_messages.DiskFullAtStep2")])
     monkeypatch.setenv(cli.DEBUG_VARIABLE, "1")
-    with pytest.raises(cli.RunStopped) as stopped:
+    with pytest.raises(cli.RunError) as stopped:
         cli.main()
     assert isinstance(stopped.value.__cause__, OSError) and stopped.value.step == 2
 

@@ -1,0 +1,220 @@
+"""Checkpoints that keep the tail of a run: the final step, the step a signal stopped at, written atomically."""
+
+import io
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+# signals that stop a run after its current step: what Slurm and Kubernetes send to pre-empt a job,
+# and what Slurm sends ahead of the time limit (``--signal=USR1@90``, Lightning's requeue signal)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class RunStopped(Exception):
+    """A run that stopped before its end. ``str(stop)`` is the one line to show, ``exit_code`` the process's status."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written; the files written before are untouched."""
+
+    def __init__(self, folder: str, error: OSError, last_good: tuple[str, int] | None) -> None:
+        if error.filename:
+            error = OSError(error.errno, error.strerror)  # the folder is named once, without the temporary file
+        kept = f"last good checkpoint: {last_good[0]} (step {last_good[1]})" if last_good else "no checkpoint was written before"
+        super().__init__(f"could not write a checkpoint in {folder}: {error}; {kept}", exit_code=1)
+
+
+def _new_file_mode() -> int:
+    """The permissions ``open()`` gives a new file under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` that never leaves a partial file: it writes a temporary file in the target's folder,
+    flushes it to disk and renames it over the target, so a failed write (a full disk, a lost mount) leaves the
+    previous checkpoint of that name as it was and no new file behind. Remote (fsspec) paths are written as
+    ``TorchCheckpointIO`` writes them.
+
+    Example::
+
+        trainer = Trainer(plugins=[AtomicCheckpointIO()])
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        # serialized in memory first, as TorchCheckpointIO does: torch.save writing to a full disk raises a
+        # RuntimeError without the OS error, a plain write raises the OSError itself
+        serialized = io.BytesIO()
+        torch.save(checkpoint, serialized)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                os.fchmod(file.fileno(), _new_file_mode())  # mkstemp's 0o600 would hide checkpoints from the user's group
+                file.write(serialized.getbuffer())
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.remove(temporary)
+            raise
+        # the rename itself is durable only once the folder is flushed
+        folder_descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(folder_descriptor)
+        finally:
+            os.close(folder_descriptor)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that never loses the tail of a run.
+
+    With ``save_last`` (on by default), ``last.ckpt`` holds the final optimizer step when fit ends, whatever
+    ``max_steps`` and the checkpoint and validation intervals are, and the step at which a run failed or was
+    stopped. SIGTERM and SIGUSR1 stop the run after its current step (``lit-cancel`` then exits with
+    128 + the signal's number and names the checkpoint to resume from). Files are written atomically
+    (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), and a write that
+    fails stops the run with :class:`CheckpointWriteError`. Each checkpoint records its run's folder
+    (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The ``lit-cancel`` command
+    uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
+
+    Args:
+        save_last: keep ``last.ckpt`` (``True``, the default) or not (``False``, ``None``); ``"link"`` is
+            refused, because a link to a top-k file need not hold the final step.
+        save_on_exception: on an error, also write a checkpoint under ``filename`` (as ``ModelCheckpoint``).
+        **kwargs: the other arguments of ``ModelCheckpoint``.
+
+    Example::
+
+        trainer = Trainer(max_steps=27, callbacks=[RunCheckpoint(every_n_train_steps=25)])
+        trainer.fit(model)  # last.ckpt holds step 27
+    """
+
+    def __init__(self, save_last: bool | None = True, save_on_exception: bool = True, **kwargs: Any) -> None:
+        if save_last == "link":
+            raise ValueError("save_last='link' is not offered: a link to a top-k file need not hold the final step; use save_last=True")
+        super().__init__(save_last=save_last, save_on_exception=save_on_exception, **kwargs)
+        self.latest: tuple[str, int] | None = None
+        self.stop_signal: signal.Signals | None = None
+        self.write_error: CheckpointWriteError | None = None
+        self._training_started = False
+        self._step_in_last = 0
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        self._training_started = True
+        if trainer.ckpt_path is not None:
+            self.latest = (trainer.ckpt_path, trainer.global_step)
+            if self.last_model_path and os.path.abspath(trainer.ckpt_path) == os.path.abspath(self.last_model_path):
+                self._step_in_last = trainer.global_step
+        # Lightning has installed its handlers by now (they set trainer.received_sigterm for SIGTERM, and requeue
+        # a Slurm job on its signal); this one runs before them, and Lightning puts the originals back at teardown
+        for number in STOP_SIGNALS:
+            signal.signal(number, partial(self._stop_after_this_step, trainer, signal.getsignal(number)))
+
+    def _stop_after_this_step(self, trainer: "pl.Trainer", previous: Any, number: int, frame: Any) -> None:
+        self.stop_signal = signal.Signals(number)
+        # the loops raise SIGTERMException at the end of the current step when this flag is set
+        trainer._signal_connector.received_sigterm = True
+        if callable(previous):
+            previous(number, frame)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._save_last_of_this_step(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # before training starts the weights may be half-restored; a write that failed would fail again
+        if not self._training_started or isinstance(exception, CheckpointWriteError) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        try:
+            if self.save_on_exception and self._last_global_step_saved != trainer.global_step:
+                self._save_checkpoint(trainer, self.format_checkpoint_name(self._monitor_candidates(trainer)))
+            self._save_last_of_this_step(trainer)
+        except CheckpointWriteError as error:
+            self.write_error = error  # lit-cancel reports it with what stopped the run
+
+    def _save_last_of_this_step(self, trainer: "pl.Trainer") -> None:
+        if self.save_last and not trainer.fast_dev_run and trainer.global_step > self._step_in_last:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except OSError as error:
+            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest) from error
+        self.latest = (filepath, trainer.global_step)
+        if filepath == self.last_model_path:
+            self._step_in_last = trainer.global_step
+
+    @override
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            # Lightning restores the loops for fit only: a validation of a step-N checkpoint would log at step 0
+            trainer.fit_loop.epoch_loop._batches_that_stepped = checkpoint.get("global_step", 0)
+
+    @override
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            checkpoint["run"] = {"save_dir": logger.save_dir, "name": logger.name, "version": logger.version,
+                                 "log_dir": getattr(logger, "log_dir", None)}
+
+
+def stop_report(trainer: "pl.Trainer") -> RunStopped:
+    """What stopped a run on a signal: the signal, the step, and the checkpoint to resume from."""
+    checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, RunCheckpoint)), None)
+    number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
+    step = trainer.global_step
+    if trainer.state.fn != TrainerFn.FITTING:
+        return RunStopped(f"stopped by {number.name} during {trainer.state.fn.value}: nothing to resume", exit_code=128 + number)
+    stopped = f"stopped by {number.name} at step {step}"
+    if checkpoint and checkpoint.write_error:
+        return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=128 + number)
+    if checkpoint and checkpoint.latest and checkpoint.latest[1] == step:
+        return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=128 + number)
+    if step == 0:
+        return RunStopped(f"{stopped}, before the first step: nothing to resume", exit_code=128 + number)
+    return RunStopped(f"{stopped}; no checkpoint holds it: the run keeps no last.ckpt (save_last)", exit_code=128 + number)
+
+
+@contextmanager
+def stops_reported(trainer: "pl.Trainer") -> Iterator[None]:
+    """Turns Lightning's ``SIGTERMException`` (which would exit with status 0) into :class:`RunStopped`."""
+    try:
+        yield
+    except SIGTERMException as stop:
+        raise stop_report(trainer) from stop

@@ -1,0 +1,173 @@
+"""One run, one folder: where a run's files go, which run ``--ckpt_path last`` means, and runs that would mix.
+
+The functions read and change the parsed config of a ``lit-cancel`` subcommand (a jsonargparse
+``Namespace``) before any class is instantiated, and raise ``ValueError`` with a one-line message
+naming the option for a config that cannot be run safely.
+"""
+
+import errno
+import importlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from jsonargparse import Namespace
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+PLAIN_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
+RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
+OVERWRITE_OPTION = "--overwrite true"
+
+
+def prepare_run(config: Namespace, subcommand: str) -> None:
+    """Readies the config of ``fit`` or ``validate`` for a run that keeps to its own folder.
+
+    A plain ``ModelCheckpoint`` becomes :class:`~lit_cancel.checkpointing.RunCheckpoint` (same arguments);
+    output folders must be writable; ``--ckpt_path last`` becomes the newest ``last.ckpt`` of the config's
+    runs; a checkpoint's run folder is continued (its logger version); a new ``fit`` may not start in a
+    folder that holds a run's checkpoints unless ``overwrite`` is set, which makes its checkpoints replace
+    the files of the same name.
+    """
+    for callback in _checkpoint_callbacks(config).values():
+        if callback.class_path == PLAIN_MODEL_CHECKPOINT:
+            callback.class_path = RUN_CHECKPOINT
+    check_writable(config)
+    if config.get("ckpt_path") == "last":
+        config.ckpt_path = newest_last_checkpoint(config)
+    if config.get("ckpt_path"):
+        continue_run_folder(config, config.ckpt_path)
+    elif subcommand == "fit" and config.get("overwrite"):
+        for callback in _checkpoint_callbacks(config).values():
+            callback.init_args.enable_version_counter = False
+    elif subcommand == "fit":
+        refuse_used_folder(config)
+
+
+def _checkpoint_callbacks(config: Namespace) -> dict[str, Namespace]:
+    """The config's ModelCheckpoint callbacks by option name (``trainer.callbacks[0]``)."""
+    callbacks = config.trainer.get("callbacks") or []
+    found = {}
+    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        module, _, name = callback.class_path.rpartition(".")
+        if issubclass(getattr(importlib.import_module(module), name), ModelCheckpoint):
+            found[f"trainer.callbacks[{index}]"] = callback
+    return found
+
+
+def _logger(config: Namespace) -> Namespace | None:
+    """The init_args of the config's first logger when it names its folder (``save_dir``, ``name``, ``version``)."""
+    logger = config.trainer.get("logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
+    if init_args is not None and all(key in init_args for key in ("save_dir", "name", "version")):
+        return init_args
+    return None
+
+
+def _runs_folder(logger: Namespace) -> Path:
+    """The folder of the runs of a config: ``save_dir/name``, holding one ``version_N`` folder per run."""
+    return Path(logger.save_dir or ".") / (logger.name or "")
+
+
+def _version_folder(version: int | str) -> str:
+    return version if isinstance(version, str) else f"version_{version}"
+
+
+def _checkpoint_folders(config: Namespace, version: int | str | None) -> dict[str, Path]:
+    """The folders the config's checkpoints go to, by the option that sets each; with the logger's ``version``."""
+    logger, folders = _logger(config), {}
+    for option, callback in _checkpoint_callbacks(config).items():
+        if callback.init_args.get("dirpath"):
+            folders[f"{option}.init_args.dirpath"] = Path(callback.init_args.dirpath)
+        elif logger is not None and version is not None:
+            folders["trainer.logger.init_args.version"] = _runs_folder(logger) / _version_folder(version) / "checkpoints"
+        elif config.trainer.get("logger") is False:
+            folders["trainer.default_root_dir"] = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
+    return folders
+
+
+def _last_checkpoints(folder: Path) -> list[Path]:
+    return [path for path in folder.glob("last*.ckpt") if re.fullmatch(r"last(-v\d+)?\.ckpt", path.name)]
+
+
+def check_writable(config: Namespace) -> None:
+    """Raises ValueError naming the option of an output folder that cannot be written (or created)."""
+    logger = _logger(config)
+    folders = {f"{option}.init_args.dirpath": Path(callback.init_args.dirpath)
+               for option, callback in _checkpoint_callbacks(config).items() if callback.init_args.get("dirpath")}
+    if logger is not None:
+        folders["trainer.logger.init_args.save_dir"] = Path(logger.save_dir or ".")
+    elif config.trainer.get("default_root_dir"):
+        folders["trainer.default_root_dir"] = Path(config.trainer.default_root_dir)
+    for option, folder in folders.items():
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as error:
+            raise ValueError(f"{option}: cannot write in {folder} ({error.strerror}: {existing})") from error
+
+
+def newest_last_checkpoint(config: Namespace) -> str:
+    """The newest ``last.ckpt`` among the config's runs; ValueError when there is none."""
+    logger, searched = _logger(config), {}
+    for callback in _checkpoint_callbacks(config).values():
+        if callback.init_args.get("dirpath"):
+            searched[str(callback.init_args.dirpath)] = [Path(callback.init_args.dirpath)]
+        elif logger is not None:
+            runs = _runs_folder(logger)
+            searched[str(runs / "*" / "checkpoints")] = sorted(runs.glob("*/checkpoints"))
+        elif config.trainer.get("logger") is False:
+            folder = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
+            searched[str(folder)] = [folder]
+    found = [path for folders in searched.values() for folder in folders for path in _last_checkpoints(folder)]
+    if not found:
+        where = " or ".join(searched) or "no checkpoint folder: the config has no ModelCheckpoint"
+        raise ValueError(f"--ckpt_path last: no earlier run of this config to resume (no last.ckpt in {where})")
+    return str(max(found, key=lambda path: path.stat().st_mtime))
+
+
+def _saved_run(checkpoint: Path) -> dict:
+    """The run folder a RunCheckpoint recorded in ``checkpoint`` (a file or a sharded folder); empty when none."""
+    source = checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint
+    try:
+        saved = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:
+        return {}  # a file that is not a checkpoint is refused, with its reason, by the --ckpt_path check
+    return saved.get("run", {}) if isinstance(saved, dict) else {}
+
+
+def continue_run_folder(config: Namespace, ckpt_path: str) -> None:
+    """Sets the logger's version to that of the run that wrote ``ckpt_path`` when it is a run of this config."""
+    logger = _logger(config)
+    if logger is None or logger.version is not None:
+        return
+    checkpoint = Path(ckpt_path).resolve()
+    runs = _runs_folder(logger).resolve()
+    if checkpoint.parent.name == "checkpoints" and checkpoint.parent.parent.parent == runs:
+        folder = checkpoint.parent.parent.name
+        number = re.fullmatch(r"version_(\d+)", folder)
+        logger.version = int(number[1]) if number else folder
+        return
+    saved = _saved_run(checkpoint)
+    if saved.get("version") is not None and (Path(saved["save_dir"] or ".") / (saved["name"] or "")).resolve() == runs:
+        logger.version = saved["version"]
+
+
+def refuse_used_folder(config: Namespace) -> None:
+    """Raises ValueError when a new run's checkpoints would go to a folder that holds another run's ``last.ckpt``."""
+    logger = _logger(config)
+    for option, folder in _checkpoint_folders(config, logger.version if logger is not None else None).items():
+        if held := _last_checkpoints(folder):
+            newest = max(held, key=lambda path: path.stat().st_mtime)
+            raise ValueError(
+                f"{option}: {folder} already holds a run ({newest.name}); resume it with --ckpt_path {newest}, "
+                f"or start over in it with {OVERWRITE_OPTION}"
+            )

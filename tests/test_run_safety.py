@@ -1,0 +1,177 @@
+"""During a run: the last step is saved, signals are told truthfully, checkpoints are written atomically, one run keeps one folder."""
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lit_cancel import cli
+from lit_cancel.cli import run_cli
+
+
+def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
+    """A config of a few quick steps: the embedded model, 2 prompts x 4 rollouts of 8 tokens, no validation, a ModelCheckpoint."""
+    checkpoint = {"save_last": True, "every_n_train_steps": 1, "save_on_train_epoch_end": True, "save_on_exception": True, **checkpoint_args}
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": max_steps, "accelerator": "cpu", "devices": 1, "check_val_every_n_epoch": None, "val_check_interval": 1000,
+            "num_sanity_val_steps": 0, "limit_val_batches": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(folder / "runs"), "name": "tiny"}},
+            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}],
+        },
+        "model": {"class_path": "lit_cancel.RLModule", "init_args": {"max_new_tokens": 8, "val_samples": 1}},
+        "data": {
+            "class_path": "lit_cancel.RolloutDataModule",
+            "init_args": {"prompts_per_round": 2, "group_size": 4, "val_batch_size": 4, "task": {
+                "class_path": "lit_cancel.AdditionTask", "init_args": {"num_digits": 3, "train_size": 64, "val_size": 4}}},
+        },
+    }
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def checkpoints(folder: Path, version: int = 0) -> Path:
+    return folder / "runs" / "tiny" / f"version_{version}" / "checkpoints"
+
+
+def saved_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+
+
+def console(monkeypatch, capsys, *args: str) -> tuple[int, list[str]]:
+    """The exit status and stderr lines of the ``lit-cancel`` console script run with ``args``."""
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *args])
+    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    return exit.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_last_ckpt_holds_the_final_step_between_checkpoint_intervals(tmp_path):
+    run_cli(["fit", "--config", str(write_config(tmp_path, max_steps=7, every_n_train_steps=5))])
+    assert saved_step(checkpoints(tmp_path) / "last.ckpt") == 7
+    assert sorted(path.name for path in checkpoints(tmp_path).iterdir()) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((checkpoints(tmp_path) / "last.ckpt").stat().st_mode) == 0o666 & ~umask  # as open() creates files
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop):
+    config = write_config(tmp_path, max_steps=100_000)
+    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=errors)
+        last = checkpoints(tmp_path) / "last.ckpt"
+        deadline = time.monotonic() + 120
+        while not last.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run.send_signal(stop)
+        run.wait(timeout=120)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert run.returncode == 128 + stop, stderr[-2000:]
+    line = stderr.strip().splitlines()[-1]
+    said = re.fullmatch(rf"lit-cancel: stopped by {stop.name} at step (\d+); resume with --ckpt_path (.+)", line)
+    assert said, line
+    assert Path(said[2]).resolve() == last.resolve()
+    assert saved_step(last) == int(said[1]) >= 1
+
+
+def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    fsync, last_writes = os.fsync, []
+
+    def disk_full_at_the_second_last_ckpt(descriptor):
+        if ".last.ckpt." in os.readlink(f"/proc/self/fd/{descriptor}"):  # the temporary file of last.ckpt, fully written
+            last_writes.append(descriptor)
+            if len(last_writes) == 2:
+                raise OSError(28, "No space left on device")
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", disk_full_at_the_second_last_ckpt)
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path, max_steps=5)))
+    folder = checkpoints(tmp_path)
+    assert code == 1
+    assert lines[-1] == (f"lit-cancel: could not write a checkpoint in {folder}: [Errno 28] No space left on device; "
+                         f"last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
+    assert saved_step(folder / "last.ckpt") == 1
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no partial or temporary file
+
+
+def test_a_read_only_output_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    def load_causal_lm(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("lit_cancel.module.load_causal_lm", load_causal_lm)
+    if os.geteuid() == 0:  # root writes in a folder without write permission; /sys refuses everyone
+        read_only = Path("/sys")
+    else:
+        read_only = tmp_path / "read-only"
+        read_only.mkdir()
+        read_only.chmod(0o555)
+    save_dir = read_only / "runs"
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), f"--trainer.logger.init_args.save_dir={save_dir}")
+    assert code == 2
+    assert lines[-1] == f"error: trainer.logger.init_args.save_dir: cannot write in {save_dir} (Permission denied: {read_only})"
+
+
+def scalar_steps(log_dir: Path, tag: str) -> list[int]:
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [event.step for event in events.Scalars(tag)]
+
+
+def test_resume_and_validate_continue_the_run_folder_and_its_curves(tmp_path):
+    config = str(write_config(tmp_path))
+    run_cli(["fit", "--config", config])
+    last = checkpoints(tmp_path) / "last.ckpt"
+    resumed = run_cli(["fit", "--config", config, "--trainer.max_steps=4", f"--ckpt_path={last}"])
+    assert resumed.trainer.logger.log_dir == str(tmp_path / "runs" / "tiny" / "version_0")
+    run_cli(["validate", "--config", config, "--trainer.limit_val_batches=1", f"--ckpt_path={last}"])
+    assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0"]
+    assert saved_step(last) == 4
+    assert scalar_steps(last.parents[1], "rollout/reward_mean") == [0, 1, 2, 3]
+    assert scalar_steps(last.parents[1], "val/accuracy") == [4]  # at the checkpoint's step, on the run's curve
+
+
+def test_ckpt_path_last_resumes_the_latest_run_of_the_config(tmp_path, monkeypatch, capsys):
+    config = str(write_config(tmp_path))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--ckpt_path=last")
+    assert code == 2
+    assert lines[-1] == f"error: --ckpt_path last: no earlier run of this config to resume (no last.ckpt in {tmp_path / 'runs' / 'tiny' / '*' / 'checkpoints'})"
+    run_cli(["fit", "--config", config])
+    run_cli(["fit", "--config", config, "--trainer.max_steps=1"])  # version_1, the newest
+    resumed = run_cli(["fit", "--config", config, "--trainer.max_steps=3", "--ckpt_path=last"])
+    assert resumed.trainer.ckpt_path == str(checkpoints(tmp_path, version=1) / "last.ckpt")
+    assert saved_step(checkpoints(tmp_path, version=1) / "last.ckpt") == 3
+    assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0", "version_1"]
+
+
+@pytest.mark.parametrize("shared", ["version", "dirpath"])
+def test_a_new_run_in_a_folder_that_holds_one_is_refused_unless_overwrite(tmp_path, monkeypatch, capsys, shared):
+    fixed = {"dirpath": str(tmp_path / "fixed")} if shared == "dirpath" else {}
+    config = str(write_config(tmp_path, **fixed))
+    args = ["fit", "--config", config, "--trainer.logger.init_args.version=0"] if shared == "version" else ["fit", "--config", config]
+    run_cli(args)
+    folder = tmp_path / "fixed" if shared == "dirpath" else checkpoints(tmp_path)
+    option = "trainer.callbacks[0].init_args.dirpath" if shared == "dirpath" else "trainer.logger.init_args.version"
+    code, lines = console(monkeypatch, capsys, *args, "--trainer.max_steps=3")
+    assert code == 2
+    assert lines[-1] == (f"error: {option}: {folder} already holds a run (last.ckpt); resume it with --ckpt_path {folder / 'last.ckpt'}, "
+                         "or start over in it with --overwrite true")
+    assert saved_step(folder / "last.ckpt") == 2
+    run_cli([*args, "--trainer.max_steps=3", "--overwrite=true"])
+    assert saved_step(folder / "last.ckpt") == 3
+    assert "last-v1.ckpt" not in {path.name for path in folder.iterdir()}
