@@ -147,6 +147,7 @@ class PolicyModule(L.LightningModule):
             )
         # optimizer steps and checkpoint loads change the weights; the engine is synced when it is behind
         self.weights_version, self.engine_version = 0, None
+        self.loaded_step = 0
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -232,9 +233,11 @@ class PolicyModule(L.LightningModule):
         if self.trainer.sanity_checking:
             return
         values = {"val/accuracy": float(self.val_accuracy.compute()), "val/greedy_accuracy": float(self.val_greedy_accuracy.compute())}
+        # a validation of a checkpoint outside fit has global_step 0: it belongs at the checkpoint's step
+        step = max(self.global_step, self.loaded_step)
         if self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
-                logger.log_metrics(values, step=self.global_step)
+                logger.log_metrics(values, step=step)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.lora is not None:
@@ -244,6 +247,7 @@ class PolicyModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # the weights about to be loaded are not the engine's
         self.weights_version += 1
+        self.loaded_step = checkpoint.get("global_step", 0)
 
     def export(self, output_dir: str) -> None:
         """Saves the policy as a Hugging Face folder (adapters merged into the weights) with its tokenizer.
