@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_cancel.logprobs import unpadded_span
+
 
 @dataclass
 class RolloutBatch:
@@ -55,9 +57,16 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     def select(self, rows: Tensor) -> "RolloutBatch":
-        """The rows ``rows`` of this batch (per-row tensors indexed, the rest kept)."""
+        """The rows ``rows`` of this batch (per-row tensors indexed, the rest kept), without the columns that all of
+        them pad: leading prompt columns and trailing completion columns."""
         picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
-        return replace(self, **picked, stats={})
+        start, end = unpadded_span(picked["attention_mask"], self.prompt_length)
+        for name, value in picked.items():
+            if name in ("input_ids", "attention_mask"):
+                picked[name] = value[:, start:end]
+            elif value.dim() == 2:
+                picked[name] = value[:, : end - self.prompt_length]
+        return replace(self, **picked, prompt_length=self.prompt_length - start, stats={})
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         """This batch with its tensors on ``device``."""

@@ -3,16 +3,34 @@
 The language-model head is applied to a few positions at a time, so float32 logits for the whole
 ``batch x time x vocabulary`` never exist at once. Under autograd each chunk is checkpointed: its
 logits are recomputed in the backward pass instead of being kept.
+
+With a token budget (``max_tokens_per_chunk``) the decoder too runs in chunks: rows sorted by
+completion length, each chunk cut to its own longest row, and the head sees completion tokens only.
 """
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from lit_cancel.sharding import is_sharded
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as Hugging Face ``generate`` assigns them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def unpadded_span(attention_mask: Tensor, prompt_length: int) -> tuple[int, int]:
+    """``(start, end)``: every row of ``attention_mask`` pads the columns before ``start`` and from ``end`` on.
+
+    ``start <= prompt_length <= end``: cutting to ``[start, end)`` keeps every prompt and completion
+    token, and the positions from :func:`position_ids_from_mask` of every kept token.
+    """
+    columns = attention_mask.bool().any(0).nonzero().squeeze(1).tolist()
+    if not columns:
+        return prompt_length, prompt_length
+    return min(columns[0], prompt_length), max(columns[-1] + 1, prompt_length)
 
 
 def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -25,6 +43,20 @@ def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: 
     return logprobs, entropy
 
 
+def _head_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """``(logprobs, entropy)``, each ``[N]``, of ``targets`` (``[N]``) after the states ``hidden`` (``[N, H]``)."""
+    logprobs, entropies = [], []
+    for start in range(0, targets.numel(), chunk_size):
+        piece = (hidden[start : start + chunk_size], head, targets[start : start + chunk_size], temperature)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = checkpoint(_chunk_stats, *piece, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*piece)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
 def completion_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -32,6 +64,7 @@ def completion_logprobs(
     prompt_length: int,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    max_tokens_per_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probabilities and entropies of the completion tokens ``input_ids[:, prompt_length:]``.
 
@@ -42,11 +75,17 @@ def completion_logprobs(
         prompt_length: ``P``.
         temperature: logits are divided by it, as they were for sampling.
         chunk_size: number of token positions whose logits are materialised at once.
+        max_tokens_per_chunk: when set, the decoder runs on the rows sorted by completion length, in
+            chunks of at most this many tokens (rows x the chunk's widest row; a longer row is a chunk
+            of its own), each chunk without the padding that all its rows share, and the head on
+            completion tokens only. The values, and their gradient, are those of the whole batch.
 
     Returns:
         ``(logprobs, entropy)``, each ``[B, C]`` float32. Entropy is detached. Values on padding
-        positions are meaningless; mask them with the completion mask.
+        positions are meaningless (zero with ``max_tokens_per_chunk``); mask them with the completion mask.
     """
+    if max_tokens_per_chunk is not None:
+        return _length_sorted_logprobs(model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
         input_ids=input_ids,
@@ -58,19 +97,76 @@ def completion_logprobs(
     hidden = hidden[:, prompt_length - 1 : -1]
     targets = input_ids[:, prompt_length:]
     batch, length, width = hidden.shape
-    flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
-    logprobs, entropies = [], []
-    for start in range(0, flat_targets.numel(), chunk_size):
-        piece = (flat_hidden[start : start + chunk_size], head, flat_targets[start : start + chunk_size], temperature)
-        if torch.is_grad_enabled() and flat_hidden.requires_grad:
-            lp, ent = checkpoint(_chunk_stats, *piece, use_reentrant=False)
-        else:
-            lp, ent = _chunk_stats(*piece)
-        logprobs.append(lp)
-        entropies.append(ent)
+    logprobs, entropy = _head_stats(hidden.reshape(-1, width), head, targets.reshape(-1), temperature, chunk_size)
     # a copy, not a view: FSDP2 hooks the backward of a sharded root's output, and a view could be
     # modified in place behind the hook's back
-    return torch.cat(logprobs).view(batch, length).clone(), torch.cat(entropies).view(batch, length)
+    return logprobs.view(batch, length).clone(), entropy.view(batch, length)
+
+
+def length_sorted_chunks(attention_mask: Tensor, prompt_length: int, max_tokens: int) -> list[Tensor]:
+    """Row indices of ``attention_mask`` by decreasing completion length, in chunks of at most ``max_tokens``
+    tokens: rows x (longest prompt + longest completion) of the chunk. A row longer than ``max_tokens`` is a
+    chunk of its own."""
+    prompt_lengths = attention_mask[:, :prompt_length].sum(1).tolist()
+    completion_lengths = attention_mask[:, prompt_length:].sum(1)
+    order = torch.argsort(completion_lengths, descending=True, stable=True).tolist()
+    completion_lengths = completion_lengths.tolist()
+    chunks, current, widest_prompt, widest_completion = [], [], 0, 0
+    for row in order:
+        prompt, completion = max(widest_prompt, prompt_lengths[row]), max(widest_completion, completion_lengths[row])
+        if current and (len(current) + 1) * (prompt + completion) > max_tokens:
+            chunks.append(current)
+            current, prompt, completion = [], prompt_lengths[row], completion_lengths[row]
+        current.append(row)
+        widest_prompt, widest_completion = prompt, completion
+    if current:
+        chunks.append(current)
+    return [torch.tensor(rows, device=attention_mask.device) for rows in chunks]
+
+
+def _split_to(chunks: list[Tensor], count: int) -> list[Tensor]:
+    """``chunks`` with the largest halved until there are ``count``."""
+    chunks = list(chunks)
+    while len(chunks) < count:
+        largest = max(range(len(chunks)), key=lambda i: len(chunks[i]))
+        if len(chunks[largest]) < 2:
+            raise RuntimeError(
+                f"a sharded model runs the decoder once per chunk in every process, here {count} times, but this "
+                f"process has {sum(map(len, chunks))} rows; give every process as many rows"
+            )
+        chunks[largest : largest + 1] = chunks[largest].tensor_split(2)
+    return chunks
+
+
+def _length_sorted_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int, temperature: float, chunk_size: int,
+    max_tokens_per_chunk: int,
+) -> tuple[Tensor, Tensor]:
+    """:func:`completion_logprobs` with the decoder in length-sorted chunks and the head on completion tokens only."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    chunks = length_sorted_chunks(attention_mask, prompt_length, max_tokens_per_chunk)
+    if dist.is_initialized() and any(is_sharded(module) for module in model.modules()):
+        # each decoder call gathers every block's shards, and its backward reduces them: all processes make as many calls
+        count = torch.tensor(len(chunks), device=attention_mask.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        chunks = _split_to(chunks, int(count))
+    completion = attention_mask[:, prompt_length:].bool()
+    states, targets, rows, columns = [], [], [], []
+    for chunk in chunks:
+        start, end = unpadded_span(attention_mask[chunk], prompt_length)
+        ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
+        tokens = completion[chunk, : end - prompt_length]
+        # the state at position t predicts token t + 1
+        states.append(hidden[:, prompt_length - start - 1 : -1][tokens])
+        targets.append(ids[:, prompt_length - start :][tokens])
+        chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
+        rows.append(chunk[chunk_rows])
+        columns.append(chunk_columns)
+    logprobs, entropy = _head_stats(torch.cat(states), head, torch.cat(targets), temperature, chunk_size)
+    # back to the rows' own order and columns, zero on padding
+    where = (torch.cat(rows), torch.cat(columns))
+    return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
 
 
 def next_token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, temperature: float = 1.0) -> Tensor:

@@ -108,6 +108,12 @@ class PolicyModule(L.LightningModule):
         max_new_tokens: longest completion.
         val_samples: samples per held-out prompt for ``val/accuracy``.
         logprob_chunk_size: token positions whose logits are materialised at once.
+        max_tokens_per_chunk: when set, every log-prob pass (the training step's, old and reference
+            log-probs, the callbacks' extra passes) runs the decoder on the rows sorted by completion
+            length, in chunks of at most this many tokens (rows x the chunk's longest row), without
+            the padding of longer rows, and the LM head on completion tokens only. The log-probs and
+            the gradient are those of the whole micro-batch, and the objective still sees it whole.
+            None runs each batch at once.
         dtype: parameter dtype to load (``float32``, ``bfloat16``); None keeps the checkpoint's.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
         lora: train LoRA adapters (peft) instead of the whole model.
@@ -129,6 +135,7 @@ class PolicyModule(L.LightningModule):
         max_new_tokens: int = 64,
         val_samples: int = 4,
         logprob_chunk_size: int = 1024,
+        max_tokens_per_chunk: int | None = None,
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         from_scratch: bool = False,
         lora: LoRA | None = None,
@@ -157,9 +164,12 @@ class PolicyModule(L.LightningModule):
                 f"max_new_tokens, val_samples and logprob_chunk_size must be >= 1, got "
                 f"{max_new_tokens}, {val_samples}, {logprob_chunk_size}"
             )
+        if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
+            raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
+        self.max_tokens_per_chunk = max_tokens_per_chunk
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
@@ -211,7 +221,10 @@ class PolicyModule(L.LightningModule):
 
     def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
-        return root(completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size)
+        return root(
+            completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
+            self.max_tokens_per_chunk,
+        )
 
     def configure_model(self) -> None:
         """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2) or ``FSDPStrategy``."""
@@ -328,7 +341,8 @@ class RLModule(PolicyModule):
         if self.reference is not None:
             return self.completion_logprobs(self.reference, input_ids, attention_mask, prompt_length)[0]
         return self.policy(
-            _base_model_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size
+            _base_model_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
+            self.max_tokens_per_chunk,
         )[0]
 
     @torch.no_grad()
