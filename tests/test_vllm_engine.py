@@ -12,7 +12,6 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -20,8 +19,9 @@ pytest.importorskip("vllm")
 
 from conftest import save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from test_engines import fit  # noqa: E402
 
-from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
+from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine  # noqa: E402
 from lit_cancel.cli import run_cli  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 
@@ -140,17 +140,6 @@ def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy()
 def test_generation_options_vllm_cannot_honour_are_refused_when_the_module_is_built():
     with pytest.raises(ValueError, match="VLLMEngine cannot honour 'no_repeat_ngram_size'"):
         vllm_module(generation_kwargs={"no_repeat_ngram_size": 3})
-
-
-def fit(module: RLModule, steps: int, root: Path, ckpt_path: str | None = None) -> L.Trainer:
-    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=4, group_size=4)
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=root, log_every_n_steps=1,
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True)],
-    )
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    return trainer
 
 
 def test_training_steps_sync_the_engine_and_resume_resyncs_it(tmp_path):
