@@ -15,6 +15,8 @@ import torch
 import yaml
 from lightning.pytorch import Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_reliability import quick_args
+from test_run_safety import console, saved_step
 from transformers import AutoTokenizer
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, cli
@@ -23,31 +25,6 @@ from lit_cancel.data import WARN_EVERY_N_ROUNDS
 CONFIGS = Path(__file__).parents[1] / "configs"
 STOPPED_AT = "lit-cancel: the run stopped at step {} (LIT_CANCEL_DEBUG=1 shows the traceback)"
 NOTHING_RUN = "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)"
-
-
-def quick_args(save_dir, max_steps: int, *extra: str) -> list[str]:
-    return [
-        "fit", "--config", str(CONFIGS / "quickstart.yaml"),
-        f"--trainer.max_steps={max_steps}", "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={save_dir}",
-        "--data.init_args.prompts_per_round=2", "--data.init_args.group_size=4",
-        "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=1",
-        "--trainer.limit_val_batches=0",
-        *extra,
-    ]
-
-
-def run_console(monkeypatch, capsys, *args: str) -> tuple[int, list[str]]:
-    """The exit status and stderr lines of the ``lit-cancel`` console script run on ``args``."""
-    monkeypatch.setattr(sys, "argv", ["lit-cancel", *args])
-    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
-    with pytest.raises(SystemExit) as exit:
-        cli.main()
-    return exit.value.code, capsys.readouterr().err.strip().splitlines()
-
-
-def checkpoint_step(path: str) -> int:
-    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
 
 
 class FailsInRound2(AdditionTask):
@@ -97,7 +74,7 @@ def test_a_reward_error_during_the_run_prints_the_step_the_cause_and_the_last_ch
     assert lines[-3] == STOPPED_AT.format(1)
     assert lines[-2].startswith("error: FailsInRound2.reward raised KeyError: 'score' on prompt '")
     assert lines[-1] == f"the last good step is in {last_ckpt}"
-    assert checkpoint_step(str(last_ckpt)) == 1
+    assert saved_step(str(last_ckpt)) == 1
 
 
 @pytest.mark.parametrize(
@@ -111,11 +88,11 @@ def test_a_reward_error_during_the_run_prints_the_step_the_cause_and_the_last_ch
     ids=["non-finite", "io-error"],
 )
 def test_a_run_that_stops_says_so_in_three_lines_with_exit_status_1(tmp_path, monkeypatch, capsys, extra, step, error):
-    status, lines = run_console(monkeypatch, capsys, *quick_args(tmp_path, 4, *extra))
+    status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 4, *extra))
     last_ckpt = tmp_path / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
     assert status == 1
     assert lines[-3:] == [STOPPED_AT.format(step), error, f"the last good step is in {last_ckpt}"]
-    assert checkpoint_step(str(last_ckpt)) == step
+    assert saved_step(str(last_ckpt)) == step
 
 
 def test_the_debug_variable_raises_the_run_error_with_its_cause(tmp_path, monkeypatch):
@@ -141,7 +118,7 @@ def validations(monkeypatch) -> list:
 
 
 def test_a_reward_with_the_wrong_signature_fails_before_any_step(tmp_path, monkeypatch, capsys, validations):
-    status, lines = run_console(monkeypatch, capsys, *quick_args(tmp_path, 2, "--data.init_args.task.class_path=test_run_messages.OneArgumentReward"))
+    status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 2, "--data.init_args.task.class_path=test_run_messages.OneArgumentReward"))
     assert (status, validations) == (2, [])
     assert lines[-2] == NOTHING_RUN
     assert re.fullmatch(
@@ -157,13 +134,13 @@ def test_a_reward_with_the_wrong_signature_fails_before_any_step(tmp_path, monke
     ids=["negative-space-separated", "zero"],
 )
 def test_a_learning_rate_at_or_below_zero_is_refused_at_start_up(tmp_path, monkeypatch, capsys, validations, option, shown):
-    status, lines = run_console(monkeypatch, capsys, *quick_args(tmp_path, 2, *option))
+    status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 2, *option))
     assert (status, validations) == (2, [])
     assert lines[-1] == f"error: model.init_args.optimizer.init_args.lr must be > 0, got {shown}"
 
 
 def test_a_mistyped_objective_is_one_line_naming_the_presets(tmp_path, monkeypatch, capsys):
-    status, lines = run_console(monkeypatch, capsys, *quick_args(tmp_path, 2, "--model.init_args.objective=lit_cancel.GRPOO"))
+    status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 2, "--model.init_args.objective=lit_cancel.GRPOO"))
     assert status == 2
     assert lines == [NOTHING_RUN, (
         "error: model.init_args.objective (lit_cancel.GRPOO): module 'lit_cancel' has no attribute 'GRPOO'; the presets: "
@@ -174,7 +151,7 @@ def test_a_mistyped_objective_is_one_line_naming_the_presets(tmp_path, monkeypat
 def test_a_yaml_syntax_error_names_the_config_file_and_line(tmp_path, monkeypatch, capsys):
     config = tmp_path / "broken.yaml"
     config.write_text("trainer:\n  max_steps: 3\n   bad: [1\n")
-    status, lines = run_console(monkeypatch, capsys, "fit", "--config", str(config))
+    status, lines = console(monkeypatch, capsys, "fit", "--config", str(config))
     assert status == 2
     assert lines[-1] == f"error: {config} line 3 column 7: mapping values are not allowed here"
 
@@ -195,7 +172,7 @@ def test_a_byte_that_is_not_utf8_is_named_with_its_file_line_and_column(tmp_path
     data = tmp_path / "data.jsonl"
     rows = gsm8k_rows(4)
     data.write_bytes(f"{rows[0]}\n{rows[1]}\n".encode() + b'{"question": "caf\xe9?", "answer": "#### 1"}\n' + f"{rows[3]}\n".encode())
-    status, lines = run_console(monkeypatch, capsys, *gsm8k_args(tiny_model_path, data))
+    status, lines = console(monkeypatch, capsys, *gsm8k_args(tiny_model_path, data))
     assert status == 2
     assert lines[-1] == f"error: MathWordTask: data file '{data}' line 3 is not UTF-8 (byte 0xe9 at column 18); save the file as UTF-8"
 
@@ -207,7 +184,7 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_up_naming_its_line
     rows[2] = json.dumps({"question": long_question, "answer": "#### 1"})
     data.write_text(rows[0] + "\n\n" + "\n".join(rows[1:]) + "\n")  # the long row is on line 4
     length = len(AutoTokenizer.from_pretrained(tiny_model_path)(f"Question: {long_question}\nAnswer:")["input_ids"])
-    status, lines = run_console(monkeypatch, capsys, *gsm8k_args(tiny_model_path, data, "--model.init_args.max_new_tokens=64"))
+    status, lines = console(monkeypatch, capsys, *gsm8k_args(tiny_model_path, data, "--model.init_args.max_new_tokens=64"))
     assert (status, validations) == (2, [])
     assert lines[-1] == (
         f"error: the longest train prompt ('{data}' line 4, {length} tokens) does not fit the model's context: "
