@@ -253,10 +253,7 @@ class RolloutDataModule(TaskDataModule):
         sampled = RolloutBatch.concat(informative + uninformative)
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
-        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds)
-        eos = self.trainer.lightning_module.tokenizer.eos_token_id
-        completions = sampled.input_ids[:, sampled.prompt_length :]
-        stats["rollout/frac_truncated"] = (~((completions == eos) & sampled.completion_mask.bool()).any(1)).float().mean().item()
+        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.tokenizer.eos_token_id)
         self.warn_if_cannot_learn(stats)
         return kept, stats
 

@@ -112,17 +112,23 @@ def sample_groups(
     return batch, seconds - generation.sync_seconds, generation.sync_seconds
 
 
-def round_stats(sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float) -> dict[str, float]:
+def round_stats(
+    sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float, eos_token_id: int
+) -> dict[str, float]:
     """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
 
-    ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine.
+    ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
+    completion without ``eos_token_id`` was cut at ``max_new_tokens``.
     """
     rewards = sampled.rewards.view(-1, group_size)
     lengths = sampled.completion_mask.sum(1).float()
+    completions = sampled.input_ids[:, sampled.prompt_length :]
+    ended = ((completions == eos_token_id) & sampled.completion_mask.bool()).any(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/accuracy": (rewards > 0).float().mean().item(),
         "rollout/completion_len": lengths.mean().item(),
+        "rollout/frac_truncated": (~ended).float().mean().item(),
         "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
         "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
