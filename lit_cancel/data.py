@@ -139,6 +139,8 @@ class RolloutDataModule(TaskDataModule):
         self.allow_resume_changes = allow_resume_changes
         self.cannot_learn_rounds: dict[str, int] = {}
         self.start_weight_norm: float | None = None
+        # the room for prompts (context minus max_new_tokens) that every prompt was found to fit in
+        self.prompts_fit_in: int | None = None
         self.rounds_done = 0
         self.prompt_draws = 0
         self.pending: list[RolloutBatch] = []
@@ -161,6 +163,8 @@ class RolloutDataModule(TaskDataModule):
         if not isinstance(context, int) or not isinstance(max_new_tokens, int):
             return
         room = context - max_new_tokens
+        if room == self.prompts_fit_in:
+            return  # checked already (the CLI checks before its first validation, fit's setup again)
         for split, records in (("train", self.task.train_records()), ("val", self.task.val_records())):
             lengths = [len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"]]
             longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
@@ -170,6 +174,7 @@ class RolloutDataModule(TaskDataModule):
                     f"the model's context: max_position_embeddings={context} minus max_new_tokens={max_new_tokens} leaves {room}; "
                     "shorten or drop the long prompts, or lower model.init_args.max_new_tokens"
                 )
+        self.prompts_fit_in = room
 
     def _objective(self) -> object:
         return getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None
