@@ -124,14 +124,18 @@ def knobs(scaffold: int, spread: int) -> list[str]:
     return [f"--data.init_args.task.init_args.scaffold={scaffold}", f"--data.init_args.task.init_args.spread={spread}"]
 
 
-def budget(steps: int, lr: float) -> list[str]:
+def budget(steps: int, lr: float, val_samples: int = 4) -> list[str]:
     # validation before training and after the last step only; curves come from the training rollouts
-    return [f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}", "--model.init_args.val_samples=4",
+    return [f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}", f"--model.init_args.val_samples={val_samples}",
             f"--model.init_args.optimizer.init_args.lr={lr}"]
 
 
 def objective(name: str) -> list[str]:
     return [f"--model.init_args.objective=lit_cancel.{name}"]
+
+
+def trust_region(name: str) -> list[str]:
+    return [f"--model.init_args.objective.init_args.trust_region=lit_cancel.{name}"]
 
 
 def off_policy(mu: int, mini_batches: int) -> list[str]:
@@ -143,6 +147,7 @@ E2_SCAFFOLDS, E2_SPREADS = (0, 12, 24), (0, 4, 8)
 # E1, E3, E4 and E5 run at one knob setting: scaffold 12, spread 8 (E2 found scaffold 24 unstable at these rates)
 STUDY_SCAFFOLD, STUDY_SPREAD = 12, 8
 STUDY = f"s{STUDY_SCAFFOLD}v{STUDY_SPREAD}"
+E7_TRUST_REGIONS = ("TokenRatioMask", "GroupRatioDrop", "TokenRatioWeight")
 
 
 def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
@@ -175,12 +180,19 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
                     *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *objective(arm), *off_policy(2, 2), f"--data.init_args.group_size={group}",
                     f"--data.init_args.prompts_per_round={128 // group}", *budget(60, 1e-4),
                 )))
+        elif name == "E7":  # does DFPO with a trust region that keeps cancelling beat GRPO? E1's off-policy setting
+            arms = {arm: objective(arm) for arm in ("GRPO", "DrGRPO", "DFPOMin")}
+            arms |= {f"DFPOMin-{region}": [*objective("DFPOMin"), *trust_region(region)] for region in E7_TRUST_REGIONS}
+            for arm, chosen in arms.items():
+                runs.append(Run(name, arm, f"{STUDY}-mu2", seed, (
+                    *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *chosen, *off_policy(2, 2), *budget(60, 1e-4, val_samples=8),
+                )))
         else:
             raise ValueError(f"unknown experiment {name!r}; expected one of {EXPERIMENTS}")
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7")
 PROBES = ("E6",)
 
 
@@ -211,6 +223,20 @@ def scalars(log_dir: Path) -> dict[str, list[list[float]]]:
     return {tag: [[e.step, float(f"{e.value:.6g}")] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def provenance(threads: int | None) -> dict[str, str | int | None]:
+    """What a run's numbers depend on beyond its command: they replay bit for bit only on the same commit and machine."""
+    import platform
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"commit": commit + ("+modified" if dirty.strip() else ""), "torch": torch.__version__, "cpu": cpu,
+            "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(), "python": platform.python_version()}
+
+
 def execute(run: Run, threads: int | None = None) -> None:
     """Runs ``run`` through the CLI and writes its JSON (config, command, wall time, scalars)."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
@@ -224,7 +250,7 @@ def execute(run: Run, threads: int | None = None) -> None:
         (log_dir,) = Path(save_dir, "run").glob("version_*")
         record = {"experiment": run.experiment, "arm": run.arm, "setting": run.setting, "seed": run.seed,
                   "command": " ".join(command).replace(save_dir, "<tmp>"),
-                  "wall_s": round(wall, 1), "scalars": scalars(log_dir)}
+                  "wall_s": round(wall, 1), "provenance": provenance(threads), "scalars": scalars(log_dir)}
     run.path.parent.mkdir(parents=True, exist_ok=True)
     partial = run.path.with_suffix(".part")
     partial.write_text(json.dumps(record, separators=(",", ":")))

@@ -14,9 +14,11 @@ reported apart from the total: a KL or entropy term is a regulariser, not meant 
 At a shared position every member has the same context and token, so the same log-probability
 and ratio, under the trainer and under the sampler alike; the scenarios respect that. One scenario
 has rollouts from a sampler whose log-probs differ from the trainer's (as vLLM's do), where an
-objective's mismatch correction acts (``--correction``). Ratios on members' own tokens vary; the shared positions'
-common ratio stays inside a 0.2 clip range, where every PPO-style clip treats members alike (outside
-it, any clip selects one sign of advantage: see the tests).
+objective's mismatch correction acts (``--correction``). Ratios on members' own tokens vary. In
+the off-policy scenarios the shared positions' common ratio lies first inside a 0.2 range, then
+outside it: there a PPO-style clip keeps the gradient of one sign of advantage and drops the other,
+so it stops cancelling, while a trust region that depends on the ratio alone
+(:mod:`lit_cancel.trust_regions`) drops every member alike and keeps cancelling.
 """
 
 import argparse
@@ -33,6 +35,7 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.corrections import CORRECTIONS
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import PRESETS
+from lit_cancel.trust_regions import TRUST_REGIONS
 
 # the names presets had before they took their class names
 OLD_NAMES = {
@@ -102,6 +105,7 @@ SCENARIOS: dict[str, dict] = {
     "on-policy, unequal lengths": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.0, shared_log_ratio=0.0),
     "off-policy, inside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.15, shared_log_ratio=0.1),
     "own tokens outside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.8, shared_log_ratio=-0.1),
+    "shared tokens outside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.15, shared_log_ratio=0.3),
     "sampler mismatch, equal lengths": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.0, shared_log_ratio=0.0, sampler_gap=0.3),
 }
 
@@ -214,6 +218,10 @@ def main(argv: list[str]) -> int:
         "--correction", choices=list(CORRECTIONS),
         help="audit the objective with this sampler-mismatch correction (default bounds); it acts in the sampler-mismatch scenario",
     )
+    parser.add_argument(
+        "--trust-region", choices=list(TRUST_REGIONS),
+        help="audit the objective with this trust region (default range); it acts in the off-policy scenarios",
+    )
     args = parser.parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module in the current directory, as `python -m` would find it
@@ -229,6 +237,12 @@ def main(argv: list[str]) -> int:
             return 2
         objective.correction = CORRECTIONS[args.correction]()
         name += f" with {args.correction}"
+    if args.trust_region:
+        if not hasattr(objective, "trust_region"):
+            print(f"audit-objective: {args.objective} takes no trust region (no 'trust_region' attribute)", file=sys.stderr)
+            return 2
+        objective.trust_region = TRUST_REGIONS[args.trust_region]()
+        name += f" with {args.trust_region}"
     results = audit(objective)
     print(f"learning tax of {name} (uncancelled share of |credit| on positions every group member shares)")
     print(f"  {'scenario':<36} {'policy gradient':>16} {'total':>10}")

@@ -19,6 +19,7 @@ from lit_cancel.clipping import Clip, NoClip, SymmetricClip
 from lit_cancel.corrections import MismatchCorrection
 from lit_cancel.group_transforms import GroupTransform
 from lit_cancel.normalisers import Normaliser, SequenceMean
+from lit_cancel.trust_regions import TrustRegion
 
 
 @dataclass
@@ -97,7 +98,9 @@ class PolicyGradient(Objective):
     When the rollouts come from an engine with its own copy of the weights (the batch carries
     ``sampler_logprobs``), the mismatch is logged (``rollout/logprob_mismatch``, ``..._max``,
     ``rollout/sampler_kl``) and, with a ``correction``, the policy-gradient term's ``1 / N_it`` is
-    multiplied by its weight ``rho_it`` (see :mod:`lit_cancel.corrections`).
+    multiplied by its weight ``rho_it`` (see :mod:`lit_cancel.corrections`). A ``trust_region``
+    multiplies it likewise by a weight computed from the token ratios under stop-gradient (see
+    :mod:`lit_cancel.trust_regions`); it is the off-policy bound of the clip-free DFPO estimator.
 
     Args:
         advantage: advantage estimator; :class:`GroupNormalised` when None.
@@ -109,6 +112,7 @@ class PolicyGradient(Objective):
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         entropy_coef: ``alpha``, weight of the entropy bonus.
         correction: weights for the sampler/trainer mismatch; None applies none (the mismatch is still logged).
+        trust_region: per-token weights from the ratios, e.g. :class:`TokenRatioMask`; None applies none.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class PolicyGradient(Objective):
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_coef: float = 0.0,
         correction: MismatchCorrection | None = None,
+        trust_region: TrustRegion | None = None,
     ):
         name = type(self).__name__
         if ratio not in ("token", "sequence"):
@@ -138,7 +143,7 @@ class PolicyGradient(Objective):
         self.ratio, self.clip, self.normaliser = ratio, clip, normaliser or SequenceMean()
         self.group_transform = group_transform
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
-        self.correction = correction
+        self.correction, self.trust_region = correction, trust_region
 
     def advantages(self, rewards: Tensor) -> Tensor:
         return self.advantage(rewards)
@@ -167,6 +172,12 @@ class PolicyGradient(Objective):
                 metrics["objective/correction_zero_frac"] = ((correction == 0) * mask).sum() / tokens
         lengths = mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = (logprobs - old) * mask
+        if self.trust_region is not None:
+            region = self.trust_region(log_ratio.detach(), mask, batch)
+            policy_n = policy_n * region
+            tokens = mask.sum().clamp(min=1)
+            metrics["objective/trust_region_mean"] = (region * mask).sum() / tokens
+            metrics["objective/trust_region_zero_frac"] = ((region == 0) * mask).sum() / tokens
         weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / lengths).exp()
         zeros = torch.zeros_like(mask)
 

@@ -12,6 +12,7 @@ from lit_cancel.corrections import MismatchCorrection
 from lit_cancel.group_transforms import AdvOrthogonal, GroupTransform, MinReplace
 from lit_cancel.normalisers import ConstantLength, Normaliser, TokenMean
 from lit_cancel.objectives import Objective, PolicyGradient
+from lit_cancel.trust_regions import TokenRatioMask, TrustRegion
 
 
 class GRPO(PolicyGradient):
@@ -121,11 +122,12 @@ class _DFPO(PolicyGradient):
 
     def __init__(
         self, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0,
-        correction: MismatchCorrection | None = None,
+        correction: MismatchCorrection | None = None, trust_region: TrustRegion | None = None,
     ):
         super().__init__(
             advantage=GroupNormalised(), ratio="sequence", group_transform=self.transform(),
             normaliser=normaliser or ConstantLength(length), kl_coef=kl_coef, correction=correction,
+            trust_region=trust_region,
         )
 
 
@@ -142,6 +144,7 @@ class DFPOMin(_DFPO):
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
         correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.trust_regions`); none by default.
     """
 
     transform = MinReplace
@@ -160,9 +163,34 @@ class DFPOOrth(_DFPO):
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
         correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.trust_regions`); none by default.
     """
 
     transform = AdvOrthogonal
+
+
+class DFPOMinTR(DFPOMin):
+    """DFPOMin with a trust region that keeps cancelling: tokens whose ratio left ``[1 - eps, 1 + eps]`` lose their gradient::
+
+        L = -1/(S L) sum_{i,t} w~_i A_i 1{|r_it - 1| <= eps} logp_it,   w~_i = min_j s_j (stop-gradient)
+
+    The mask depends on ``r_it`` alone, which every member shares at a shared position, so the
+    credits there still cancel; PPO's clip also depends on the advantage's sign and does not.
+    Use it when rollouts are reused (``epochs_per_round > 1``) or split into several mini-batches.
+
+    Args:
+        eps: half-width of the token-ratio range.
+        length: the constant ``L`` of the default normaliser.
+        normaliser: another normaliser; it must be equal across a group's members to cancel.
+        kl_coef: weight of the KL to the reference model.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+    """
+
+    def __init__(
+        self, eps: float = 0.2, length: float = 64.0, normaliser: Normaliser | None = None, kl_coef: float = 0.0,
+        correction: MismatchCorrection | None = None,
+    ):
+        super().__init__(length, normaliser, kl_coef, correction, trust_region=TokenRatioMask(eps))
 
 
 class RLOO(PolicyGradient):
@@ -185,4 +213,4 @@ class RLOO(PolicyGradient):
         )
 
 
-PRESETS: dict[str, type[Objective]] = {preset.__name__: preset for preset in (GRPO, DrGRPO, DAPO, GSPO, DFPOMin, DFPOOrth, RLOO)}
+PRESETS: dict[str, type[Objective]] = {preset.__name__: preset for preset in (GRPO, DrGRPO, DAPO, GSPO, DFPOMin, DFPOOrth, DFPOMinTR, RLOO)}
