@@ -148,6 +148,11 @@ E2_SCAFFOLDS, E2_SPREADS = (0, 12, 24), (0, 4, 8)
 STUDY_SCAFFOLD, STUDY_SPREAD = 12, 8
 STUDY = f"s{STUDY_SCAFFOLD}v{STUDY_SPREAD}"
 E7_TRUST_REGIONS = ("TokenRatioMask", "GroupRatioDrop", "TokenRatioWeight")
+# E8 starts from a shorter supervised warm-up (benchmarks/scaffold_warmstart.py), whose scaffold is not saturated
+E8_WARMSTART_STEPS, E8_SCAFFOLD, E8_SPREAD, E8_LR = 150, 12, 8, 2e-4
+E8_WARMSTART = f"benchmarks/experiments/E8/warmstart-{E8_WARMSTART_STEPS}"
+E8_SETTING = f"s{E8_SCAFFOLD}v{E8_SPREAD}-warm{E8_WARMSTART_STEPS}"
+E9_FLIP_SEEDS = 5
 
 
 def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
@@ -187,12 +192,42 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
                 runs.append(Run(name, arm, f"{STUDY}-mu2", seed, (
                     *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *chosen, *off_policy(2, 2), *budget(60, 1e-4, val_samples=8),
                 )))
+        elif name == "E8":  # a causal test of the learning tax: break cancellation on shared positions only, on-policy
+            arms = {
+                "DFPOMin": [],
+                "DFPOMin-SharedNoise": [
+                    "--model.init_args.objective.init_args.trust_region=experiment_parts.SharedPositionNoise",
+                    f"--model.init_args.objective.init_args.trust_region.init_args.seed={seed}",
+                ],
+                "DFPOMin-PositiveOnly": ["--model.init_args.objective.init_args.trust_region=experiment_parts.AdvantageSign"],
+            }
+            for arm, chosen in arms.items():
+                runs.append(Run(name, arm, E8_SETTING, seed, (
+                    *knobs(E8_SCAFFOLD, E8_SPREAD), f"--model.init_args.model_path={E8_WARMSTART}", *objective("DFPOMin"), *chosen,
+                    "--trainer.callbacks+=experiment_parts.ScaffoldProbe", *budget(40, E8_LR, val_samples=8),
+                )))
+        elif name == "E9":  # paper B at full dose: batching plans at mu = 4, 8 mini-batches; token flips by confidence
+            for plan, class_path in {**PLANS, "sign_sorted": "experiment_parts.SignSorted"}.items():
+                runs.append(Run(name, plan, f"{STUDY}-mu4-mb8", seed, (
+                    *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), *objective("GRPO"), *off_policy(4, 8), f"--data.init_args.plan={class_path}",
+                    *budget(128, 5e-5, val_samples=8),
+                )))
+            if seed < E9_FLIP_SEEDS:  # E3's setting; the one-sign arms train on one sign of advantage only
+                for arm, keep in {"GRPO": None, "GRPO-PositiveOnly": "positive", "GRPO-NegativeOnly": "negative"}.items():
+                    chosen = [] if keep is None else [
+                        "--model.init_args.objective.init_args.trust_region=experiment_parts.AdvantageSign",
+                        f"--model.init_args.objective.init_args.trust_region.init_args.keep={keep}",
+                    ]
+                    runs.append(Run(name, arm, f"{STUDY}-flips", seed, (
+                        *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), "--model.init_args.objective=lit_cancel.PolicyGradient", *chosen,
+                        *budget(60, 2e-4),
+                    )))
         else:
             raise ValueError(f"unknown experiment {name!r}; expected one of {EXPERIMENTS}")
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9")
 PROBES = ("E6",)
 
 
@@ -239,7 +274,9 @@ def provenance(threads: int | None) -> dict[str, str | int | None]:
 
 def execute(run: Run, threads: int | None = None) -> None:
     """Runs ``run`` through the CLI and writes its JSON (config, command, wall time, scalars)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    # experiment_parts (E8, E9) is loaded by class path from this folder
+    path = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     with tempfile.TemporaryDirectory() as save_dir:
         command = run.command(save_dir)
         started = time.perf_counter()
@@ -284,6 +321,10 @@ def main() -> None:
         return
     if not args.report:
         todo = missing[: args.max_runs]
+        if any(run.experiment == "E8" for run in todo) and not (ROOT / E8_WARMSTART).exists():
+            from scaffold_warmstart import train
+
+            train(E8_WARMSTART_STEPS)
         with ThreadPoolExecutor(args.jobs) as pool:
             for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
                 print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)

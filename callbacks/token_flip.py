@@ -14,6 +14,8 @@ from torchmetrics import SumMetric
 from typing_extensions import override
 
 SPLITS = ("positive", "negative", "shared", "specific", "positive_specific", "negative_specific")
+# splits that are also reported per bin of the token's probability before the step
+BINNED_SPLITS = ("shared", "specific", "both_signs", "one_sign")
 
 # What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
 # or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
@@ -92,6 +94,27 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
     members = torch.bincount(group, minlength=groups)
     prefix = everyone.cumprod(1).bool() & (members > 1).unsqueeze(1)
     return prefix[group]
+
+
+def both_signs(tokens: Tensor, mask: Tensor, group_ids: Tensor, advantages: Tensor) -> Tensor:
+    """``[B, C]`` mask of the completion tokens whose id appears, in the same group, both in a rollout with
+    ``A > 0`` and in one with ``A < 0`` (anywhere in those rollouts)."""
+    _, group = torch.unique(group_ids, return_inverse=True)
+    vocabulary = int(tokens.max()) + 1 if tokens.numel() else 1
+    # one index per (group, token id) that occurs
+    pairs, index = torch.unique(group.unsqueeze(1) * vocabulary + tokens, return_inverse=True)
+    present = []
+    for sign in (advantages > 0, advantages < 0):
+        where = (mask.bool() & sign.unsqueeze(1)).reshape(-1).long()
+        seen = torch.zeros(len(pairs), dtype=torch.long, device=tokens.device).scatter_reduce(0, index.reshape(-1), where, reduce="amax")
+        present.append(seen[index].bool())
+    return present[0] & present[1] & mask.bool()
+
+
+def bin_names(edges: tuple[float, ...]) -> list[str]:
+    """``p0-0.5``, ``p0.5-0.9``, ... for the bins ``[0, e_1), [e_1, e_2), ..., [e_k, 1]``."""
+    bounds = [0, *edges, 1]
+    return [f"p{low:g}-{high:g}" for low, high in zip(bounds[:-1], bounds[1:])]
 
 
 @contextmanager
@@ -182,7 +205,12 @@ class TokenFlipMonitor(Callback):
     processes, straight to the trainer's loggers at that step: ``health/flip_boosted_{split}`` and
     ``health/flip_suppressed_{split}`` and ``health/flip_mean_abs_change_{split}`` for each split in
     ``positive, negative, shared, specific, positive_specific, negative_specific``, and
-    ``health/flip_mean_abs_change`` over all tokens. When the mean ``|delta|`` exceeds ``max_mean_abs_change``
+    ``health/flip_mean_abs_change`` over all tokens. The same three per bin of the token's probability
+    before the step (``confidence_bins``) for the splits ``shared``, ``specific``, ``both_signs`` (the
+    token's id appears in its group both in a rollout with ``A > 0`` and in one with ``A < 0``, within
+    the micro-batch) and ``one_sign``, e.g. ``health/flip_mean_abs_change_shared_p0.9-0.99``, with
+    ``health/flip_tokens_{split}_{bin}``, the number of tokens in it: a near-certain token barely moves
+    whatever its credit, so compare splits within a bin. When the mean ``|delta|`` exceeds ``max_mean_abs_change``
     it warns once (again only after it has come back under), or stops the trainer on every process.
 
     Args:
@@ -190,6 +218,7 @@ class TokenFlipMonitor(Callback):
         max_mean_abs_change: alert above this mean absolute change of token log-probs in one step.
         action: ``"warn"`` or ``"stop"``.
         histogram: also log a histogram of ``delta`` when the logger supports it.
+        confidence_bins: increasing edges in (0, 1) of the bins of the probability before the step.
 
     Example::
 
@@ -202,8 +231,12 @@ class TokenFlipMonitor(Callback):
         max_mean_abs_change: float = 1.0,
         action: Literal["warn", "stop"] = "warn",
         histogram: bool = True,
+        confidence_bins: tuple[float, ...] = (0.5, 0.9, 0.99),
     ) -> None:
         super().__init__()
+        edges = tuple(confidence_bins)
+        if any(not 0 < edge < 1 for edge in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError(f"TokenFlipMonitor: confidence_bins must be increasing values in (0, 1), got {confidence_bins}")
         if every_n_steps < 1:
             raise ValueError(f"TokenFlipMonitor: every_n_steps must be >= 1, got {every_n_steps}")
         if max_mean_abs_change <= 0:
@@ -212,6 +245,7 @@ class TokenFlipMonitor(Callback):
             raise ValueError(f"TokenFlipMonitor: action must be 'warn' or 'stop', got {action!r}")
         self.every_n_steps, self.max_mean_abs_change = every_n_steps, max_mean_abs_change
         self.action, self.histogram = action, histogram
+        self.confidence_bins = edges
         self.last: dict[str, float] = {}
         self.flipping = False
         self.alert_steps: list[int] = []
@@ -220,10 +254,12 @@ class TokenFlipMonitor(Callback):
         self._snapshot: StepSnapshot | None = None
         self._counts = {name: SumMetric() for name in self._count_names()}
 
-    @staticmethod
-    def _count_names() -> list[str]:
+    def _binned_splits(self) -> list[str]:
+        return [f"{split}_{name}" for split in BINNED_SPLITS for name in bin_names(self.confidence_bins)]
+
+    def _count_names(self) -> list[str]:
         kinds = ("boosted", "suppressed", "all", "abs_change")
-        return ["abs_change", "tokens"] + [f"{kind}_{split}" for split in SPLITS for kind in kinds]
+        return ["abs_change", "tokens"] + [f"{kind}_{split}" for split in (*SPLITS, *self._binned_splits()) for kind in kinds]
 
     @property
     @override
@@ -277,6 +313,13 @@ class TokenFlipMonitor(Callback):
                 "shared": mask & shared, "specific": mask & ~shared,
                 "positive_specific": mask & ~shared & (advantages > 0), "negative_specific": mask & ~shared & (advantages < 0),
             }
+            both = both_signs(completion_ids, mask, fields["group_ids"], fields["advantages"])
+            unbinned = {"shared": splits["shared"], "specific": splits["specific"], "both_signs": both, "one_sign": mask & ~both}
+            edges = torch.tensor(self.confidence_bins, device=delta.device)
+            confidence_bin = torch.bucketize(old.float().exp(), edges, right=True)
+            for index, name in enumerate(bin_names(self.confidence_bins)):
+                for split, where in unbinned.items():
+                    splits[f"{split}_{name}"] = where & (confidence_bin == index)
             self._counts["abs_change"].update(delta.abs().sum())
             self._counts["tokens"].update(mask.sum())
             for split, where in splits.items():
@@ -289,7 +332,9 @@ class TokenFlipMonitor(Callback):
         for metric in self._counts.values():
             metric.reset()
         self.last = {"mean_abs_change": totals["abs_change"] / max(totals["tokens"], 1)}
-        for split in SPLITS:
+        for split in self._binned_splits():
+            self.last[f"tokens_{split}"] = totals[f"all_{split}"]
+        for split in (*SPLITS, *self._binned_splits()):
             if totals[f"all_{split}"] > 0:
                 self.last[f"boosted_{split}"] = totals[f"boosted_{split}"] / totals[f"all_{split}"]
                 self.last[f"suppressed_{split}"] = totals[f"suppressed_{split}"] / totals[f"all_{split}"]

@@ -8,17 +8,17 @@ import torch
 from lit_cancel.callbacks import learning_tax as tax_callback
 from lit_cancel.callbacks import token_flip
 
-from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, PolicyGradient, SequenceMean
+from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, NoClip, PolicyGradient, SequenceMean
 from lit_cancel.audit import SCENARIOS, audit, learning_tax, main, shared_positions
 
 LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
 
 
 class MyConstantObjective(PolicyGradient):
-    """A user's objective: token ratios with a constant normaliser (cancels)."""
+    """A user's objective: token ratios, no clip, a constant normaliser (cancels)."""
 
     def __init__(self):
-        super().__init__(normaliser=ConstantLength(32))
+        super().__init__(clip=NoClip(), normaliser=ConstantLength(32))
 
 
 class MyLengthNormalisedObjective(PolicyGradient):
@@ -83,7 +83,9 @@ def test_learning_tax_by_hand():
 
 
 @pytest.mark.parametrize(
-    ("name", "exit_code"), [("DrGRPO", 0), ("DFPOMin", 0), ("DFPOOrth", 0), ("GRPO", 1), ("GSPO", 1), ("dr_grpo", 0), ("gspo", 1)]
+    ("name", "exit_code"),
+    [("DFPOMin", 0), ("DFPOOrth", 0), ("DFPOMinTR", 0), ("DrGRPO", 1), ("DAPO", 1), ("RLOO", 1), ("GRPO", 1), ("GSPO", 1),
+     ("dfpo_min", 0), ("gspo", 1)],
 )
 def test_audit_exit_codes_of_presets(name, exit_code, capsys):
     assert main([name]) == exit_code
@@ -96,6 +98,10 @@ def test_audit_names_the_scenarios_that_break():
     assert grpo["on-policy, equal lengths"].tax < 1e-6 < grpo["on-policy, unequal lengths"].tax
     gspo = audit(PRESETS["GSPO"]())
     assert gspo["off-policy, inside the clip range"].tax > 0.1
+    # a clip keeps cancelling while the shared ratio is inside its range, and stops once it leaves it
+    dr_grpo = audit(PRESETS["DrGRPO"]())
+    assert max(dr_grpo[name].tax for name in SCENARIOS if name != "shared tokens outside the clip range") < 1e-7
+    assert dr_grpo["shared tokens outside the clip range"].tax > 0.1
 
 
 def test_every_preset_reports_its_losss_credits():
@@ -143,8 +149,8 @@ def test_audit_refuses_what_it_cannot_load_with_exit_2(name, message, capsys):
 
 def test_console_command_exit_status_and_a_module_in_the_current_directory(tmp_path):
     (tmp_path / "my_objectives.py").write_text(
-        "from lit_cancel import ConstantLength, PolicyGradient\n\n\n"
-        "class Mine(PolicyGradient):\n    def __init__(self):\n        super().__init__(normaliser=ConstantLength(16))\n"
+        "from lit_cancel import ConstantLength, NoClip, PolicyGradient\n\n\n"
+        "class Mine(PolicyGradient):\n    def __init__(self):\n        super().__init__(clip=NoClip(), normaliser=ConstantLength(16))\n"
     )
     for name, code in [("DFPOOrth", 0), ("GSPO", 1), ("my_objectives.Mine", 0), ("my_objectives.Missing", 2)]:
         result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=120, cwd=tmp_path)

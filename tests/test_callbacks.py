@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, SolutionProbabilityDriftMonitor, TokenFlipMonitor
+from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, SolutionProbabilityDriftMonitor, TokenFlipMonitor, token_flip
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -204,6 +204,52 @@ def test_token_flip_fractions_of_a_constructed_update():
     assert flips.last["mean_abs_change_shared"] < 1e-6
     assert flips.last["mean_abs_change_positive_specific"] == pytest.approx(float(delta[0, 2:].abs().mean()))
     assert flips.last["boosted_positive_specific"] == 1.0 and flips.last["suppressed_negative_specific"] == 1.0
+
+
+def test_token_flip_bins_by_confidence_and_by_sign_of_the_rollouts_holding_the_token():
+    flips, keep = TokenFlipMonitor(every_n_steps=1, confidence_bins=(0.05, 0.2)), KeepTable()
+    # 5, 6 (shared) and 8 are in the positive and in the negative rollout: both signs; 7 and 9 one sign
+    completions = [[5, 6, 7, 8], [5, 6, 9, 8]]
+    batch = group_batch(NOT_EXCHANGEABLE, completions, [1.0, -1.0])
+    table = torch.zeros(VOCAB, VOCAB)
+    table[6, 7], table[3, 5] = 2.0, 4.0  # p(5 | 3) and p(7 | 6) above 0.2; the other tokens at 1/12-ish, in (0.05, 0.2)
+    module = BigramPolicy([batch], lr=0.5)
+    with torch.no_grad():
+        module.table.copy_(table)
+    fit(module, [keep, flips], 1)
+    before = bigram_logprobs(keep.before[0], batch["input_ids"])
+    delta = bigram_logprobs(module.table.detach(), batch["input_ids"]) - before
+    probability = before.exp()
+    confidence = torch.where(probability < 0.05, 0, torch.where(probability < 0.2, 1, 2))
+    both = torch.tensor([[True, True, False, True], [True, True, False, True]])
+    shared = torch.tensor([[True, True, False, False]] * 2)
+    splits = {"shared": shared, "specific": ~shared, "both_signs": both, "one_sign": ~both}
+    seen = 0
+    for index, name in enumerate(["p0-0.05", "p0.05-0.2", "p0.2-1"]):
+        for split, where in splits.items():
+            where = where & (confidence == index)
+            assert flips.last[f"tokens_{split}_{name}"] == int(where.sum())
+            if where.any():
+                seen += 1
+                assert flips.last[f"mean_abs_change_{split}_{name}"] == pytest.approx(float(delta[where].abs().mean()), rel=1e-5)
+                assert flips.last[f"boosted_{split}_{name}"] == pytest.approx(float((delta[where] > 0).float().mean()))
+            else:
+                assert f"mean_abs_change_{split}_{name}" not in flips.last
+    assert seen >= 4 and int(confidence.eq(2).sum()) > 0 and int(confidence.eq(1).sum()) > 0
+
+
+def test_token_flip_bins_are_validated():
+    for bins in [(0.9, 0.5), (0.0, 0.5), (0.5, 1.0), (0.5, 0.5)]:
+        with pytest.raises(ValueError, match="confidence_bins must be increasing values in \\(0, 1\\)"):
+            TokenFlipMonitor(confidence_bins=bins)
+
+
+def test_both_signs_by_hand():
+    tokens = torch.tensor([[1, 2, 3], [1, 4, 5], [2, 9, 9], [7, 7, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 0]])
+    # group 0: the positive rollout holds 1, 2, 3; the negatives 1, 4, 5, 2, 9: 1 and 2 are in both; group 1 has no negative
+    expected = [[1, 1, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0]]
+    assert token_flip.both_signs(tokens, mask, torch.tensor([0, 0, 0, 1]), torch.tensor([1.0, -1.0, -1.0, 1.0])).long().tolist() == expected
 
 
 def test_gradient_accumulation_is_measured_per_optimizer_step():

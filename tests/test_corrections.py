@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_cancel import DrGRPO, GroupMin, RolloutBatch, SequenceMask, SequenceTruncate, TokenMask, TokenTruncate
+from lit_cancel import DFPOMin, DrGRPO, GroupMin, RolloutBatch, SequenceMask, SequenceTruncate, TokenMask, TokenTruncate
 from lit_cancel.audit import audit, credits, main
 from lit_cancel.objectives import mismatch_metrics
 
@@ -101,7 +101,7 @@ def test_without_a_correction_the_mismatch_is_logged_and_the_credit_unchanged():
      (GroupMin(SequenceTruncate()), True), (GroupMin(SequenceMask()), True)],
 )
 def test_audit_separates_token_level_from_sequence_level_correction(correction, cancels):
-    results = audit(DrGRPO(correction=correction))
+    results = audit(DFPOMin(correction=correction))
     assert results["on-policy, equal lengths"].policy_tax < 1e-7
     if cancels:
         assert results[MISMATCH].policy_tax < 1e-7
@@ -111,8 +111,8 @@ def test_audit_separates_token_level_from_sequence_level_correction(correction, 
 
 
 @pytest.mark.parametrize(("arguments", "code"), [
-    (["DrGRPO", "--correction", "TokenTruncate"], 0),
-    (["DrGRPO", "--correction", "SequenceMask"], 1),
+    (["DFPOMin", "--correction", "TokenTruncate"], 0),
+    (["DFPOMin", "--correction", "SequenceMask"], 1),
     (["DFPOMin", "--correction", "SequenceTruncate"], 1),
     (["DFPOMin", "--correction", "GroupMin(SequenceTruncate)"], 0),
 ])
