@@ -89,11 +89,23 @@ def slope_interval(x: list[float], y: list[float], confidence: float = 0.95) -> 
     return slope, t_quantile(0.5 + confidence / 2, n - 2) * math.sqrt(residual / sxx)
 
 
-def verdict(mean: float, half: float) -> str:
-    """"effect" when the interval excludes 0, "null" when it holds 0, "n/a" without an interval."""
+def minimal_detectable_effect(half: float, n: int, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided t-test on ``n`` values detects with probability ``power``,
+    from the half-width of its interval: ``(t_{1-alpha/2} + t_{power}) * se`` with ``n - 1`` degrees of freedom."""
+    if n < 2 or math.isnan(half):
+        return math.nan
+    critical = t_quantile(0.5 + confidence / 2, n - 1)
+    return (critical + t_quantile(power, n - 1)) * half / critical
+
+
+def verdict(mean: float, half: float, mde: float = math.nan, relevant: float | None = None) -> str:
+    """"effect" when the interval excludes 0; otherwise "null", or "inconclusive" when the minimal detectable
+    effect ``mde`` is above the smallest ``relevant`` difference; "n/a" without an interval."""
     if math.isnan(half):
         return "n/a"
-    return "effect" if abs(mean) > half else "null"
+    if abs(mean) > half:
+        return "effect"
+    return "inconclusive" if relevant is not None and not mde <= relevant else "null"
 
 
 # ----------------------------------------------------------------------------------------------- the runs

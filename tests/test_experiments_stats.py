@@ -44,6 +44,19 @@ def test_verdict_calls_an_effect_only_when_the_interval_excludes_zero():
     assert experiments.verdict(0.3, 0.5) == "null" and experiments.verdict(0.3, math.nan) == "n/a"
 
 
+def test_minimal_detectable_effect_by_hand():
+    # n = 10: t(0.975, 9) = 2.262157, t(0.8, 9) = 0.883404; a half-width of 2.262157 is one standard error
+    assert experiments.minimal_detectable_effect(2.262157, 10) == pytest.approx(2.262157 + 0.883404, abs=1e-4)
+    assert math.isnan(experiments.minimal_detectable_effect(0.1, 1))
+
+
+def test_a_null_with_a_large_minimal_detectable_effect_is_inconclusive():
+    assert experiments.verdict(0.01, 0.05, mde=0.07, relevant=0.05) == "inconclusive"
+    assert experiments.verdict(0.01, 0.03, mde=0.04, relevant=0.05) == "null"
+    assert experiments.verdict(0.1, 0.05, mde=0.07, relevant=0.05) == "effect"
+    assert experiments.verdict(0.01, 0.05, mde=0.07) == "null"
+
+
 def test_steps_to_threshold_reads_the_moving_mean():
     report = importlib.import_module("experiments_report")
     accuracy = [0.5] * 10 + [0.7] * 10
