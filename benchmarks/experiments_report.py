@@ -175,11 +175,15 @@ def accuracy_difference(a: dict[int, dict], b: dict[int, dict]) -> str:
     return difference(a, b, "val_end", relevant=RELEVANT_ACCURACY)
 
 
-def trend(points: list[tuple[float, float]], scale: float = 1.0, digits: int = 3) -> tuple[str, str]:
-    """The least-squares slope of ``y`` on ``x`` times ``scale``, its interval, and the verdict (inconclusive below 5 seeds)."""
+def trend(points: list[tuple[float, float]], scale: float = 1.0, digits: int = 3, relevant: float | None = None) -> tuple[str, str]:
+    """The least-squares slope of ``y`` on ``x`` times ``scale``, its interval, and the verdict with the minimal detectable
+    slope for a null (``n - 2`` degrees of freedom; inconclusive below 5 seeds or when it is above ``relevant``)."""
     slope, half = slope_interval([x for x, _ in points], [y for _, y in points])
     seeds = len(points) // max(len({x for x, _ in points}), 1)
-    call = verdict(slope, half) if seeds >= MIN_SEEDS else "inconclusive"
+    mde = minimal_detectable_effect(half, len(points) - 1) * scale  # n - 1 values give n - 2 degrees of freedom
+    call = verdict(slope * scale, half * scale, mde, relevant) if seeds >= MIN_SEEDS else "inconclusive"
+    if call in ("null", "inconclusive") and not math.isnan(mde):
+        call += f", MDE {mde:.{digits}f}"
     return _interval(slope * scale, half * scale, digits), call
 
 
@@ -257,7 +261,7 @@ def e2_section(runs: dict) -> list[str]:
             continue
         lines += ["", f"Trend of {title} over all settings and seeds, least-squares slope:", ""]
         for knob, unit in (("scaffold", "per 10 scaffold characters"), ("spread", "per 4 spread characters per step")):
-            slope, call = trend(points[knob], 10 if knob == "scaffold" else 4, digits)
+            slope, call = trend(points[knob], 10 if knob == "scaffold" else 4, digits, RELEVANT_ACCURACY if digits == 3 else None)
             lines.append(f"* {knob}: {slope} {unit} ({call}, {len(points[knob])} {unit_of_runs})")
     return lines
 
@@ -312,7 +316,7 @@ def e5_section(runs: dict) -> list[str]:
             gaps[baseline] += [(math.log2(group), dfpo[s]["val_end"] - other[s]["val_end"]) for s in set(dfpo) & set(other)]
     lines += ["", "Trend of the paired gap over G, least-squares slope per doubling of G:", ""]
     for baseline, points in gaps.items():
-        slope, call = trend(points)
+        slope, call = trend(points, relevant=RELEVANT_ACCURACY)
         lines.append(f"* DFPOMin − {baseline}: {slope} per doubling ({call}, {len(points)} paired runs)")
     return lines
 
