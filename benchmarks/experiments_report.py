@@ -198,7 +198,7 @@ def e1_section(runs: dict) -> list[str]:
         paired = arm != "GRPO"
         lines.append(
             f"| `{arm}` | {lr} | {len(seeds)} | {cell(seeds, 'val_end')} | {accuracy_difference(seeds, reference) if paired else '–'} "
-            f"| {cell(seeds, 'tax', 4)} | {cell(seeds, 'shared_kl', 5)} | {cell(seeds, 'entropy_ratio')} "
+            f"| {_scientific(seeds, 'tax')} | {cell(seeds, 'shared_kl', 5)} | {cell(seeds, 'entropy_ratio')} "
             f"| {cell(seeds, 'preference_entropy')} | {difference(seeds, reference, 'preference_entropy') if paired else '–'} "
             f"| {_interval(*mean_interval(reached), 0)} ({len(reached)}/{len(seeds)}) |"
         )
@@ -236,7 +236,7 @@ def e2_section(runs: dict) -> list[str]:
             if not grpo and not dfpo:
                 continue
             lines.append(
-                f"| {scaffold} | {spread} | {min(len(grpo), len(dfpo))} | {cell(grpo, 'tax', 4)} | {cell(dfpo, 'tax', 4)} "
+                f"| {scaffold} | {spread} | {min(len(grpo), len(dfpo))} | {_scientific(grpo, 'tax')} | {_scientific(dfpo, 'tax')} "
                 f"| {cell(grpo, 'completion_len', 1)} / {cell(dfpo, 'completion_len', 1)} "
                 f"| {cell({**grpo, **dfpo}, 'val_start')} | {cell(grpo, 'val_end')} | {cell(dfpo, 'val_end')} "
                 f"| {accuracy_difference(dfpo, grpo)} |"
@@ -375,7 +375,7 @@ def e8_section(runs: dict) -> list[str]:
              "| shared prefix (tokens) | preference entropy (end) | final `val/accuracy` |", "|---|---|---|---|---|---|---|---|---|"]
     for (arm, _), seeds in sorted(runs.items(), key=lambda item: (item[0][0] != "DFPOMin", item[0][0])):
         lines.append(
-            f"| `{arm}` | {len(seeds)} | {cell(seeds, 'tax', 4)} | {cell(seeds, 'shared_kl', 5)} "
+            f"| `{arm}` | {len(seeds)} | {_scientific(seeds, 'tax')} | {cell(seeds, 'shared_kl', 5)} "
             f"| {cell(seeds, 'scaffold_p_start')} → {cell(seeds, 'scaffold_p_end')} "
             f"| {cell(seeds, 'scaffold_exact_start')} → {cell(seeds, 'scaffold_exact_end')} | {cell(seeds, 'group_shared_tokens', 2)} "
             f"| {cell(seeds, 'preference_entropy')} | {cell(seeds, 'val_end')} |"
@@ -403,7 +403,7 @@ def e9_section(runs: dict) -> list[str]:
         lines.append(f"| `{plan}` | {len(seeds)} | {cell(seeds, 'val_end')} "
                      f"| {accuracy_difference(seeds, shuffled) if plan != 'shuffled' else '–'} "
                      f"| {accuracy_difference(seeds, balanced) if plan != 'reward_balanced' else '–'} "
-                     f"| {cell(seeds, 'groups_split', 2)} | {cell(seeds, 'tax', 4)} |")
+                     f"| {cell(seeds, 'groups_split', 2)} | {_scientific(seeds, 'tax')} |")
     if not flips:
         return lines
     lines += ["", "#### E9 token flips by confidence (on-policy, lr 2e-4, every 10th step)", "",
