@@ -422,6 +422,19 @@ def e9_section(runs: dict) -> list[str]:
                 f"| {cell(seeds, key('both_signs'), 4)} | {cell(seeds, key('one_sign'), 4)} "
                 f"| {difference(seeds, seeds, key('both_signs'), 4, key('one_sign'))} |"
             )
+    lines += ["", "The same comparison with confidence held fixed: per run, the bins' differences (shared − specific, and both "
+              "signs − one sign) averaged with the first split's token counts as weights, i.e. the specific tokens reweighted "
+              "to the shared tokens' confidence; beside it the raw difference over all tokens (E3's comparison):", "",
+              "| arm | shared − specific, raw | at the shared tokens' confidence | both − one sign, raw | at equal confidence |",
+              "|---|---|---|---|---|"]
+    for (arm, _), seeds in sorted(flips.items(), key=lambda item: (item[0][0] != "GRPO", item[0][0])):
+        adjusted = {seed: {"shared": confidence_adjusted(run, "shared", "specific"),
+                           "signs_raw": pooled(run, "both_signs") - pooled(run, "one_sign"),
+                           "signs": confidence_adjusted(run, "both_signs", "one_sign")} for seed, run in seeds.items()}
+        zero = {seed: {"shared": 0.0, "signs": 0.0, "signs_raw": 0.0} for seed in seeds}
+        lines.append(f"| `{arm}` | {difference(seeds, seeds, 'mean_abs_change_shared', 4, 'mean_abs_change_specific')} "
+                     f"| {difference(adjusted, zero, 'shared', 4)} | {difference(adjusted, zero, 'signs_raw', 4)} "
+                     f"| {difference(adjusted, zero, 'signs', 4)} |")
     lines += ["", "| arm | seeds | boosted share, positive rollouts | negative rollouts | positive − negative (paired) "
               "| suppressed share, positive rollouts | negative rollouts | final `val/accuracy` |", "|---|---|---|---|---|---|---|---|"]
     for (arm, _), seeds in sorted(flips.items(), key=lambda item: (item[0][0] != "GRPO", item[0][0])):
@@ -429,6 +442,26 @@ def e9_section(runs: dict) -> list[str]:
                      f"| {difference(seeds, seeds, 'boosted_positive', b_key='boosted_negative')} | {cell(seeds, 'suppressed_positive')} "
                      f"| {cell(seeds, 'suppressed_negative')} | {cell(seeds, 'val_end')} |")
     return lines
+
+
+def pooled(run: dict, split: str) -> float:
+    """The mean ``|delta|`` of a binned split over all its bins (token-count weighted)."""
+    counts = [run[f"tokens_{split}_{c}"] for c in CONFIDENCE_BINS]
+    changes = [run[f"mean_abs_change_{split}_{c}"] for c in CONFIDENCE_BINS]
+    pairs = [(n, d) for n, d in zip(counts, changes) if n > 0 and not math.isnan(d)]
+    return sum(n * d for n, d in pairs) / sum(n for n, _ in pairs) if pairs else math.nan
+
+
+def confidence_adjusted(run: dict, first: str, second: str) -> float:
+    """``sum_b n_first,b (d_first,b - d_second,b) / sum_b n_first,b`` over the confidence bins both splits have tokens in."""
+    total = weight = 0.0
+    for confidence in CONFIDENCE_BINS:
+        count = run[f"tokens_{first}_{confidence}"]
+        a, b = run[f"mean_abs_change_{first}_{confidence}"], run[f"mean_abs_change_{second}_{confidence}"]
+        if count > 0 and not math.isnan(a) and not math.isnan(b):
+            total += count * (a - b)
+            weight += count
+    return total / weight if weight else math.nan
 
 
 TITLES = {"E1": "E1 exchangeability", "E2": "E2 dose-response", "E3": "E3 token flipping", "E4": "E4 batching plans", "E5": "E5 group size",

@@ -76,3 +76,17 @@ def test_coupling_probe_pairs_fall_in_the_classes_written_out_by_hand():
     assert as_sets["identical_low"] == {(0, 2), (2, 0)}
     assert as_sets["identical_high"] == set()
     assert as_sets["different_low"] == {(0, 3), (3, 0), (2, 3), (3, 2)}
+
+
+def test_flip_changes_compared_at_equal_confidence_by_hand():
+    report = importlib.import_module("experiments_report")
+    bins = report.CONFIDENCE_BINS
+    run = {}
+    for split, counts, changes in (("shared", [0, 0, 10, 30], [math.nan, math.nan, 0.004, 0.0002]),
+                                   ("specific", [5, 20, 40, 35], [0.3, 0.1, 0.006, 0.0003])):
+        for confidence, count, change in zip(bins, counts, changes):
+            run[f"tokens_{split}_{confidence}"], run[f"mean_abs_change_{split}_{confidence}"] = count, change
+    # shared tokens sit in the two top bins: (10 * (0.004 - 0.006) + 30 * (0.0002 - 0.0003)) / 40
+    assert report.confidence_adjusted(run, "shared", "specific") == pytest.approx((10 * -0.002 + 30 * -0.0001) / 40)
+    # over all bins: (5 * 0.3 + 20 * 0.1 + 40 * 0.006 + 35 * 0.0003) / 100
+    assert report.pooled(run, "specific") == pytest.approx((1.5 + 2.0 + 0.24 + 0.0105) / 100)
