@@ -144,7 +144,7 @@ def test_a_mistyped_objective_is_one_line_naming_the_presets(tmp_path, monkeypat
     assert status == 2
     assert lines == [NOTHING_RUN, (
         "error: model.init_args.objective (lit_cancel.GRPOO): module 'lit_cancel' has no attribute 'GRPOO'; the presets: "
-        "lit_cancel.GRPO, lit_cancel.DrGRPO, lit_cancel.DAPO, lit_cancel.GSPO, lit_cancel.DFPOMin, lit_cancel.DFPOOrth, lit_cancel.RLOO"
+        "lit_cancel.GRPO, lit_cancel.DrGRPO, lit_cancel.DAPO, lit_cancel.GSPO, lit_cancel.DFPOMin, lit_cancel.DFPOOrth, lit_cancel.DFPOMinTR, lit_cancel.RLOO"
     )]
 
 
