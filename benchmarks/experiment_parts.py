@@ -28,6 +28,17 @@ def completion_ids(batch: RolloutBatch) -> Tensor:
     return batch.input_ids[:, batch.prompt_length :]
 
 
+@torch.no_grad()
+def scaffold_probabilities(module: "pl.LightningModule", prompts: list[str], scaffold: str) -> Tensor:
+    """``[N, S]`` probability of each scaffold token, teacher-forced after each prompt (a ``PolicyModule``)."""
+    tokenizer = module.tokenizer
+    prompt = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    scaffold_ids = torch.tensor(tokenizer(scaffold, add_special_tokens=False)["input_ids"]).expand(len(prompts), -1)
+    input_ids = torch.cat([prompt["input_ids"], scaffold_ids], 1).to(module.device)
+    attention_mask = torch.cat([prompt["attention_mask"], torch.ones_like(scaffold_ids)], 1).to(module.device)
+    return module.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1]).float().exp()
+
+
 class SharedPositionNoise(TrustRegion):
     """Weights ``z_i = exp(sigma g_i - sigma^2 / 2)``, ``g_i ~ N(0, 1)`` i.i.d. per member, on its group's shared positions.
 
@@ -121,15 +132,8 @@ class ScaffoldProbe(Callback):
         prompts = [record["prompt"] for record in trainer.datamodule.task.val_records()[: self.num_problems]]
         training = pl_module.training
         pl_module.eval()
-        tokenizer = pl_module.tokenizer
-        prompt = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        scaffold_ids = torch.tensor(tokenizer(scaffold, add_special_tokens=False)["input_ids"]).expand(len(prompts), -1)
-        input_ids = torch.cat([prompt["input_ids"], scaffold_ids], 1).to(pl_module.device)
-        attention_mask = torch.cat([prompt["attention_mask"], torch.ones_like(scaffold_ids)], 1).to(pl_module.device)
-        with torch.no_grad():
-            logprobs = pl_module.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1])
+        probabilities = scaffold_probabilities(pl_module, prompts, scaffold)
         pl_module.train(training)
-        probabilities = logprobs.float().exp()
         mean, least = float(probabilities.mean()), float(probabilities.min(1).values.mean())
         self.history.append((trainer.global_step, mean))
         for logger in trainer.loggers:

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from experiment_parts import scaffold_probabilities
 
 ROOT = Path(__file__).resolve().parent.parent
 E8 = ROOT / "benchmarks" / "experiments" / "E8"
@@ -49,12 +50,9 @@ def measure(model_path: str, scaffold: int, spread: int, problems: int = 50, sam
     module = RLModule(model_path=model_path, max_new_tokens=96).eval()
     task = ScaffoldedAdditionTask(scaffold=scaffold, spread=spread, num_digits=3, train_size=20000, val_size=200, seed=0)
     records = task.val_records()[:problems]
-    tokenizer, text = module.tokenizer, SCAFFOLD_TEXT[:scaffold]
-    prompt = tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True, add_special_tokens=False)
-    scaffold_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]).expand(len(records), -1)
-    input_ids = torch.cat([prompt["input_ids"], scaffold_ids], 1)
-    attention_mask = torch.cat([prompt["attention_mask"], torch.ones_like(scaffold_ids)], 1)
-    probabilities = module.token_logprobs(input_ids, attention_mask, prompt["input_ids"].shape[1]).exp()
+    text = SCAFFOLD_TEXT[:scaffold]
+    probabilities = scaffold_probabilities(module, [r["prompt"] for r in records], text)
+    prompt = module.tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True, add_special_tokens=False)
     generation = module.rollout(prompt["input_ids"], prompt["attention_mask"], num_samples=samples)
     rewards = [task.reward(records[i // samples], completion) for i, completion in enumerate(generation.texts)]
     return {
