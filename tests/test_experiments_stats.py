@@ -58,11 +58,11 @@ def test_a_null_with_a_large_minimal_detectable_effect_is_inconclusive():
 
 
 def test_steps_to_threshold_reads_the_moving_mean():
-    report = importlib.import_module("experiments_report")
+    runs = importlib.import_module("experiments_runs")
     accuracy = [0.5] * 10 + [0.7] * 10
     # the 10-step mean reaches 0.5 + 0.10 once 5 of its values are 0.7: at the 15th value, step index 14
-    assert report.steps_to_threshold(list(range(20)), accuracy) == 15
-    assert report.steps_to_threshold(list(range(20)), [0.5] * 20) is None
+    assert runs.steps_to_threshold(list(range(20)), accuracy) == 15
+    assert runs.steps_to_threshold(list(range(20)), [0.5] * 20) is None
 
 
 def test_coupling_probe_pairs_fall_in_the_classes_written_out_by_hand():
@@ -79,14 +79,14 @@ def test_coupling_probe_pairs_fall_in_the_classes_written_out_by_hand():
 
 
 def test_flip_changes_compared_at_equal_confidence_by_hand():
-    report = importlib.import_module("experiments_report")
-    bins = report.CONFIDENCE_BINS
+    runs = importlib.import_module("experiments_runs")
+    bins = runs.CONFIDENCE_BINS
     run = {}
     for split, counts, changes in (("shared", [0, 0, 10, 30], [math.nan, math.nan, 0.004, 0.0002]),
                                    ("specific", [5, 20, 40, 35], [0.3, 0.1, 0.006, 0.0003])):
         for confidence, count, change in zip(bins, counts, changes):
             run[f"tokens_{split}_{confidence}"], run[f"mean_abs_change_{split}_{confidence}"] = count, change
     # shared tokens sit in the two top bins: (10 * (0.004 - 0.006) + 30 * (0.0002 - 0.0003)) / 40
-    assert report.confidence_adjusted(run, "shared", "specific") == pytest.approx((10 * -0.002 + 30 * -0.0001) / 40)
+    assert runs.confidence_adjusted(run, "shared", "specific") == pytest.approx((10 * -0.002 + 30 * -0.0001) / 40)
     # over all bins: (5 * 0.3 + 20 * 0.1 + 40 * 0.006 + 35 * 0.0003) / 100
-    assert report.pooled(run, "specific") == pytest.approx((1.5 + 2.0 + 0.24 + 0.0105) / 100)
+    assert runs.pooled(run, "specific") == pytest.approx((1.5 + 2.0 + 0.24 + 0.0105) / 100)
