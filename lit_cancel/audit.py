@@ -231,18 +231,16 @@ def main(argv: list[str]) -> int:
         print(f"audit-objective: {error}", file=sys.stderr)
         return 2
     name = args.objective
-    if args.correction:
-        if not hasattr(objective, "correction"):
-            print(f"audit-objective: {args.objective} takes no mismatch correction (no 'correction' attribute)", file=sys.stderr)
+    parts = (("correction", "mismatch correction", CORRECTIONS), ("trust_region", "trust region", TRUST_REGIONS))
+    for attribute, description, registry in parts:
+        chosen = getattr(args, attribute)
+        if not chosen:
+            continue
+        if not hasattr(objective, attribute):
+            print(f"audit-objective: {args.objective} takes no {description} (no '{attribute}' attribute)", file=sys.stderr)
             return 2
-        objective.correction = CORRECTIONS[args.correction]()
-        name += f" with {args.correction}"
-    if args.trust_region:
-        if not hasattr(objective, "trust_region"):
-            print(f"audit-objective: {args.objective} takes no trust region (no 'trust_region' attribute)", file=sys.stderr)
-            return 2
-        objective.trust_region = TRUST_REGIONS[args.trust_region]()
-        name += f" with {args.trust_region}"
+        setattr(objective, attribute, registry[chosen]())
+        name += f" with {chosen}"
     results = audit(objective)
     print(f"learning tax of {name} (uncancelled share of |credit| on positions every group member shares)")
     print(f"  {'scenario':<36} {'policy gradient':>16} {'total':>10}")
