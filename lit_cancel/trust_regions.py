@@ -12,10 +12,10 @@ shared ratio leaves its range it keeps one sign of member and drops the other.
 
 from abc import ABC, abstractmethod
 
-import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.group_transforms import MinReplace
 
 
 class TrustRegion(ABC):
@@ -24,44 +24,41 @@ class TrustRegion(ABC):
         """``[B, C]`` weights (no grad) from the token log-ratios ``logp - logp_old`` (``[B, C]``, 0 on padding)."""
 
 
-def _check_eps(owner: str, eps: float) -> float:
-    if not 0 < eps < 1:
-        raise ValueError(f"{owner}: eps must be in (0, 1), got {eps}")
-    return eps
+class _RatioRange(TrustRegion):
+    """A trust region that asks whether a ratio lies in ``[1 - eps, 1 + eps]``."""
+
+    def __init__(self, eps: float = 0.2):
+        if not 0 < eps < 1:
+            raise ValueError(f"{type(self).__name__}: eps must be in (0, 1), got {eps}")
+        self.eps = eps
+
+    def inside(self, log_ratio: Tensor) -> Tensor:
+        return (log_ratio.exp() - 1).abs() <= self.eps
 
 
-class TokenRatioMask(TrustRegion):
+class TokenRatioMask(_RatioRange):
     """``1{|r_it - 1| <= eps}``: a token whose ratio left the range loses its gradient, whatever its advantage's sign.
 
     Args:
         eps: half-width of the range around 1.
     """
 
-    def __init__(self, eps: float = 0.2):
-        self.eps = _check_eps("TokenRatioMask", eps)
-
     def __call__(self, log_ratio: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
-        return ((log_ratio.exp() - 1).abs() <= self.eps).to(mask.dtype) * mask
+        return self.inside(log_ratio).to(mask.dtype) * mask
 
 
-class GroupRatioDrop(TrustRegion):
+class GroupRatioDrop(_RatioRange):
     """A group leaves the step when any member's sequence ratio ``s_i = exp(mean_t log r_it)`` leaves ``[1 - eps, 1 + eps]``.
 
     Args:
         eps: half-width of the range around 1.
     """
 
-    def __init__(self, eps: float = 0.2):
-        self.eps = _check_eps("GroupRatioDrop", eps)
-
     def __call__(self, log_ratio: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
-        sequence_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()
-        outside = ((sequence_ratio - 1).abs() > self.eps).to(mask.dtype)
-        _, group = torch.unique(batch.group_ids, return_inverse=True)
-        any_outside = torch.zeros(int(group.max()) + 1, dtype=mask.dtype, device=mask.device).scatter_reduce(
-            0, group, outside, reduce="amax"
-        )
-        return (1 - any_outside[group]).unsqueeze(1) * mask
+        inside = self.inside((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).to(mask.dtype)
+        # the group keeps its credit only when every member is inside: the group's smallest value, DFPO's min-replace
+        kept = MinReplace()(inside, batch.advantages, batch.group_ids)
+        return kept.unsqueeze(1) * mask
 
 
 class TokenRatioWeight(TrustRegion):
