@@ -160,6 +160,7 @@ class PolicyGradient(Objective):
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
         advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
         inverse_n = mask / self.normaliser(batch)
+        tokens = mask.sum().clamp(min=1)
         metrics, policy_n = {}, inverse_n
         if batch.sampler_logprobs is not None:
             sampler_log_ratio = (old - batch.sampler_logprobs) * mask
@@ -167,7 +168,6 @@ class PolicyGradient(Objective):
             if self.correction is not None:
                 correction = self.correction(sampler_log_ratio, mask, batch.group_ids)
                 policy_n = inverse_n * correction
-                tokens = mask.sum().clamp(min=1)
                 metrics["objective/correction_mean"] = correction.sum() / tokens
                 metrics["objective/correction_zero_frac"] = ((correction == 0) * mask).sum() / tokens
         lengths = mask.sum(1, keepdim=True).clamp(min=1)
@@ -175,7 +175,6 @@ class PolicyGradient(Objective):
         if self.trust_region is not None:
             region = self.trust_region(log_ratio.detach(), mask, batch)
             policy_n = policy_n * region
-            tokens = mask.sum().clamp(min=1)
             metrics["objective/trust_region_mean"] = (region * mask).sum() / tokens
             metrics["objective/trust_region_zero_frac"] = ((region == 0) * mask).sum() / tokens
         weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / lengths).exp()
@@ -212,7 +211,6 @@ class PolicyGradient(Objective):
             credits = credits - self.entropy_coef * sampled * inverse_n
             metrics["loss/entropy_bonus"] = self.entropy_coef * bonus.detach()
 
-        tokens = mask.sum().clamp(min=1)
         metrics.update({
             "loss/policy": policy_loss.detach(),
             "loss/kl": kl_loss.detach(),
