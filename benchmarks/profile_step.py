@@ -1,6 +1,6 @@
 """Where the time of one lit_cancel GRPO step goes, on the work of ``benchmarks/vs_trl.py``.
 
-    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--threads N]
+    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--max-tokens-per-chunk N] [--threads N]
 
 Wraps the module's parts with timers inside a normal ``Trainer.fit`` and prints the median
 milliseconds per step of each: rollout prefill and decode (model forwards over whole prompts, and
@@ -20,12 +20,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, write_model  # benchmarks/ is on the path when run as a script
+from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, generation_kwargs, write_model  # benchmarks/ is on the path when run as a script
 
 import lit_cancel.rollouts
 from lit_cancel import GRPO, DecodeLoop, HFGenerate, RLModule, RolloutDataModule
 from lit_cancel.tasks import AdditionTask
-from lit_cancel.tokenizer import build_char_tokenizer
 
 PARTS = ["prefill", "decode", "reward", "advantages", "old/ref log-probs", "training forward", "backward", "optimizer", "other"]
 
@@ -81,19 +80,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-loop", default="true", choices=["true", "false"])
+    parser.add_argument("--max-tokens-per-chunk", type=int, help="the module's max_tokens_per_chunk (default: the module's)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hidden, blocks, mlp, heads, new_tokens, checkpointing = ROWS[args.row]
+    row = ROWS[args.row]
     watch = Stopwatch()
     with tempfile.TemporaryDirectory() as scratch:
-        params = write_model(Path(scratch), hidden, blocks, mlp, heads)
+        params = write_model(Path(scratch), row)
         module = RLModule(
-            scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=new_tokens, activation_checkpointing=checkpointing,
-            generation_kwargs={"suppress_tokens": [build_char_tokenizer().eos_token_id]},
-            engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
+            scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=row.new_tokens, activation_checkpointing=row.checkpointing,
+            generation_kwargs=generation_kwargs(row), engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
             optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0),
+            **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk}),
         )
         model = module.policy.model
         in_rollout = []
@@ -127,7 +127,7 @@ def main() -> None:
         lit_cancel.rollouts.score = watch.timed("reward", lit_cancel.rollouts.score)
         data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
         trainer = L.Trainer(
-            max_steps=args.steps + args.warmup + 1, accelerator="cpu", logger=False, enable_checkpointing=False,
+            max_steps=args.steps + args.warmup + 1, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
             gradient_clip_val=1.0, callbacks=[StepParts(watch)], default_root_dir=scratch,
         )
@@ -135,7 +135,8 @@ def main() -> None:
     steps = watch.steps[args.warmup:]
     total = statistics.median(s["total"] for s in steps)
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"
-    print(f"{params / 1e6:.1f} M params, {new_tokens} tokens, checkpointing {'on' if checkpointing else 'off'}, {sampler}: "
+    print(f"{params / 1e6:.1f} M params, {'EOS or ' if row.eos else ''}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
+          f"checkpointing {'on' if row.checkpointing else 'off'}, {sampler}, max_tokens_per_chunk {module.max_tokens_per_chunk}: "
           f"median of {len(steps)} steps, {total * 1000:.0f} ms per step, {torch.get_num_threads()} threads, "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB\n")
     print("| part | ms per step | share |")
