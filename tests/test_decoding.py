@@ -35,20 +35,41 @@ def varied_model():
     return Qwen2ForCausalLM(config).eval()
 
 
-def test_greedy_decode_loop_gives_generates_tokens_with_rows_ending_at_different_steps(module):
-    model = varied_model()
-    ids, mask = encoded(module)
+def staggered_eos(model, ids, mask) -> int:
+    """An end token that greedy rows reach at different steps, so that finished rows leave the batch while others decode."""
     free = hf_greedy(model, ids, mask, eos=-1)[:, ids.shape[1]:]
-    # an end token that rows reach at different steps, so that finished rows leave the batch while others decode
     for eos in free[0].tolist():
         is_eos = torch.cat([free == eos, torch.ones(len(ids), 1, dtype=torch.bool)], 1)
         if len(set(is_eos.long().argmax(1).tolist())) > 2:
-            break
-    else:
-        pytest.fail("no token ends the rows at different steps")
+            return eos
+    pytest.fail("no token ends the rows at different steps")
+
+
+def test_greedy_decode_loop_gives_generates_tokens_with_rows_ending_at_different_steps(module):
+    model = varied_model()
+    ids, mask = encoded(module)
+    eos = staggered_eos(model, ids, mask)
     expected = hf_greedy(model, ids, mask, eos)
     got = sample_completions(model, ids, mask, 1, 24, eos, 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_give_the_eager_loops_tokens_as_rows_leave_the_batch(module):
+    """DecodeLoop(compile=True): the same greedy tokens while the batch shrinks, and the compiled forward really ran."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = varied_model()
+    ids, mask = encoded(module)
+    eos = staggered_eos(model, ids, mask)
+    processors = logits_processors({}, 1.0, 1.0, greedy=True)
+    eager = sample_completions(model, ids, mask, 1, 24, eos, 0, processors, greedy=True)
+    engine = DecodeLoop(compile=True)
+    compiled = engine._sample(model, ids, mask, 1, 24, eos, 0, processors, True)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert engine._compiled[0] is model
 
 
 def test_decode_step_distributions_equal_a_fresh_forward_pass(module):
@@ -159,8 +180,11 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     preallocated.batch_repeat_interleave(3)
     both(torch.empty(6, 2, 1, 4))
     keep = torch.tensor([0, 2, 5])
+    buffers = preallocated.key_buffer.data_ptr(), preallocated.value_buffer.data_ptr()
     growing.batch_select_indices(keep)
     preallocated.batch_select_indices(keep)
+    # finished rows leave in place: no second buffer is allocated
+    assert (preallocated.key_buffer.data_ptr(), preallocated.value_buffer.data_ptr()) == buffers
     both(torch.empty(3, 2, 1, 4))
     both(torch.empty(3, 2, 2, 4))
     assert preallocated.get_seq_length() == 9
