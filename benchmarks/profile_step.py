@@ -1,6 +1,7 @@
 """Where the time of one lit_cancel GRPO step goes, on the work of ``benchmarks/vs_trl.py``.
 
-    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--max-tokens-per-chunk N] [--threads N]
+    python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--max-tokens-per-chunk N]
+                                      [--compile] [--threads N]
 
 Wraps the module's parts with timers inside a normal ``Trainer.fit`` and prints the median
 milliseconds per step of each: rollout prefill and decode (model forwards over whole prompts, and
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-loop", default="true", choices=["true", "false"])
     parser.add_argument("--max-tokens-per-chunk", type=int, help="the module's max_tokens_per_chunk (default: the module's)")
+    parser.add_argument("--compile", action="store_true", help="RLModule(compile=True): the decoder through torch.compile")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -92,7 +94,7 @@ def main() -> None:
         module = RLModule(
             scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=row.new_tokens, activation_checkpointing=row.checkpointing,
             generation_kwargs=generation_kwargs(row), engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
-            optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0), compile=args.compile,
             **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk}),
         )
         model = module.policy.model
@@ -127,7 +129,8 @@ def main() -> None:
         lit_cancel.rollouts.score = watch.timed("reward", lit_cancel.rollouts.score)
         data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
         trainer = L.Trainer(
-            max_steps=args.steps + args.warmup + 1, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False, enable_checkpointing=False,
+            max_steps=args.steps + args.warmup + 1, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true",
+            logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
             gradient_clip_val=1.0, callbacks=[StepParts(watch)], default_root_dir=scratch,
         )
@@ -136,7 +139,8 @@ def main() -> None:
     total = statistics.median(s["total"] for s in steps)
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"
     print(f"{params / 1e6:.1f} M params, {'EOS or ' if row.eos else ''}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
-          f"checkpointing {'on' if row.checkpointing else 'off'}, {sampler}, max_tokens_per_chunk {module.max_tokens_per_chunk}: "
+          f"checkpointing {'on' if row.checkpointing else 'off'}, {sampler}, max_tokens_per_chunk {module.max_tokens_per_chunk}"
+          f"{', compiled' if args.compile else ''}: "
           f"median of {len(steps)} steps, {total * 1000:.0f} ms per step, {torch.get_num_threads()} threads, "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB\n")
     print("| part | ms per step | share |")

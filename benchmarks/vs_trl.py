@@ -23,8 +23,8 @@ Matched settings, both sides:
 * the same prompts (3-digit additions) and reward (``AdditionTask.reward``);
 * AdamW, lr 1e-6, no weight decay, gradient norm clipped at 1.0 (TRL's default ``max_grad_norm``);
 * activation checkpointing as the row says (TRL's ``GRPOConfig`` turns it on by default, lit_cancel off);
-* ``real-small-fp32-compiled`` (not in ``--realistic``): lit_cancel's decode steps through ``torch.compile``
-  (``DecodeLoop(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilation.
+* ``real-small-fp32-compiled`` (not in ``--realistic``): lit_cancel's decoder through ``torch.compile``
+  (``RLModule(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilations.
 
 Steps are timed from one optimizer step's end to the next (rollouts, rewards, training, optimizer
 and framework overhead all included); the first ``--warmup`` steps are not counted. Each side records
@@ -61,7 +61,7 @@ class Row:
     checkpointing: bool
     eos: bool = False
     bf16: bool = False
-    compiled_decode: bool = False  # lit_cancel's DecodeLoop(compile=True); TRL as in the row without it
+    compiled: bool = False  # lit_cancel's RLModule(compile=True); TRL as in the row without it
 
 
 SMALL, LARGE = (128, 3, 512, 4), (512, 8, 1280, 8)
@@ -74,9 +74,9 @@ ROWS = {
     "real-small-bf16": Row(*SMALL, 128, False, eos=True, bf16=True),
     "real-large-fp32": Row(*LARGE, 256, True, eos=True),
     "real-large-bf16": Row(*LARGE, 256, True, eos=True, bf16=True),
-    "real-small-fp32-compiled": Row(*SMALL, 128, False, eos=True, compiled_decode=True),
+    "real-small-fp32-compiled": Row(*SMALL, 128, False, eos=True, compiled=True),
 }
-REALISTIC = [name for name, row in ROWS.items() if row.eos and not row.compiled_decode]
+REALISTIC = [name for name, row in ROWS.items() if row.eos and not row.compiled]
 PROMPTS, GROUP, LR, SEED = 8, 8, 1e-6, 0
 
 
@@ -135,7 +135,7 @@ def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from lit_cancel import GRPO, DecodeLoop, RLModule, RolloutDataModule
+    from lit_cancel import GRPO, RLModule, RolloutDataModule
 
     ends, lengths = [], []
 
@@ -147,7 +147,7 @@ def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list
     module = RLModule(
         folder, objective=GRPO(clip_eps=0.2), temperature=1.0, top_p=1.0, max_new_tokens=row.new_tokens,
         activation_checkpointing=row.checkpointing, generation_kwargs=generation_kwargs(row),
-        engine=DecodeLoop(compile=row.compiled_decode), optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        compile=row.compiled, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
     )
     data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
     trainer = L.Trainer(
@@ -243,7 +243,7 @@ def main() -> None:
             trl_run, lit_run = measure("trl", scratch, name, args), measure("lit_cancel", scratch, name, args)
         stop = "EOS or " if row.eos else "exactly "
         label = (f"{params / 1e6:.1f} M params, {stop}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
-                 f"checkpointing {'on' if row.checkpointing else 'off'}{', lit_cancel decode steps compiled' if row.compiled_decode else ''}")
+                 f"checkpointing {'on' if row.checkpointing else 'off'}{', lit_cancel compiled' if row.compiled else ''}")
         differ = abs(trl_run.mean_length - lit_run.mean_length) > 1.96 * math.hypot(trl_run.length_se, lit_run.length_se)
         print(f"| {label} | {trl_run.seconds:.3f} | {lit_run.seconds:.3f} | {lit_run.seconds / trl_run.seconds:.2f}x "
               f"| {trl_run.tokens_per_s:,.0f} | {lit_run.tokens_per_s:,.0f} | {length_cell(trl_run)} | {length_cell(lit_run)}"

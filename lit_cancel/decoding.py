@@ -13,9 +13,6 @@ Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and gener
 outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
 """
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessorList
@@ -128,7 +125,6 @@ def sample_completions(
     pad_token_id: int,
     processors: LogitsProcessorList,
     greedy: bool = False,
-    step_forward: Callable[..., Any] | None = None,
 ) -> Tensor:
     """``[B * n, P + C]`` prompts followed by sampled completions, as ``generate(num_return_sequences=n)`` returns them.
 
@@ -145,10 +141,7 @@ def sample_completions(
         pad_token_id: written after EOS.
         processors: applied to each step's logits (see :func:`logits_processors`).
         greedy: take the most likely token instead of sampling.
-        step_forward: what runs ``model``'s forward for one new token per row (the decode steps), e.g. a
-            ``torch.compile``-d ``model.forward``; ``model`` itself when None. The prefill always runs ``model``.
     """
-    step_forward = model if step_forward is None else step_forward
     batch, prompt_length = input_ids.shape
     rows = batch * num_samples
     positions = position_ids_from_mask(attention_mask)
@@ -187,7 +180,7 @@ def sample_completions(
         if padded:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
-        logits = step_forward(
+        logits = model(
             input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position,
             past_key_values=cache, use_cache=True,
         ).logits[:, -1]

@@ -16,17 +16,13 @@ weights reports its sampling log-probs, so the objective can measure and correct
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from transformers import GenerationConfig
 
 from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
-from lit_cancel.sharding import is_sharded
 
 
 @dataclass
@@ -104,21 +100,7 @@ class DecodeLoop(HFGenerate):
     Models outside :data:`~lit_cancel.decoding.DECODE_LOOP_MODEL_TYPES`, generation options outside
     :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` and FSDP (v1) roots are sampled with ``generate``
     instead; greedy decoding gives the same tokens either way.
-
-    Args:
-        compile: run the decode steps through ``torch.compile(model.forward, dynamic=True)``. On a
-            2-core CPU at 0.8 M parameters a step took 1.6 ms instead of 2.5, after about 10 s of
-            compilation in the first rollout (benchmarks/README.md); worth it for long runs of small
-            models, not for a few minutes' run. Needs a C++ compiler on a CPU. Not under sharding.
-
-    Example::
-
-        RLModule("path/to/model", engine=DecodeLoop(compile=True))
     """
-
-    def __init__(self, compile: bool = False):
-        self.compile = compile
-        self._compiled: tuple[nn.Module, Callable[..., Any]] | None = None
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
         v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
@@ -127,19 +109,7 @@ class DecodeLoop(HFGenerate):
         processors = logits_processors(module.generation_kwargs, module.temperature, module.top_p, greedy)
         tokenizer = module.tokenizer
         sequences = module.policy(
-            self._sample, input_ids, attention_mask, num_samples, module.max_new_tokens,
+            sample_completions, input_ids, attention_mask, num_samples, module.max_new_tokens,
             tokenizer.eos_token_id, tokenizer.pad_token_id, processors, greedy,
         )
         return Sampled(sequences)
-
-    def _sample(self, model: nn.Module, *args) -> Tensor:
-        return sample_completions(model, *args, step_forward=self._step_forward(model))
-
-    def _step_forward(self, model: nn.Module) -> Callable[..., Any] | None:
-        if not self.compile:
-            return None
-        if any(is_sharded(part) for part in model.modules()):
-            raise ValueError("DecodeLoop(compile=True) cannot compile a sharded model's decode step; use compile=False")
-        if self._compiled is None or self._compiled[0] is not model:
-            self._compiled = (model, torch.compile(model.forward, dynamic=True))
-        return self._compiled[1]

@@ -54,24 +54,6 @@ def test_greedy_decode_loop_gives_generates_tokens_with_rows_ending_at_different
     assert torch.equal(got, expected)
 
 
-@pytest.mark.slow
-def test_compiled_decode_steps_give_the_eager_loops_tokens_as_rows_leave_the_batch(module):
-    """DecodeLoop(compile=True): the same greedy tokens while the batch shrinks, and the compiled forward really ran."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    model = varied_model()
-    ids, mask = encoded(module)
-    eos = staggered_eos(model, ids, mask)
-    processors = logits_processors({}, 1.0, 1.0, greedy=True)
-    eager = sample_completions(model, ids, mask, 1, 24, eos, 0, processors, greedy=True)
-    engine = DecodeLoop(compile=True)
-    compiled = engine._sample(model, ids, mask, 1, 24, eos, 0, processors, True)
-    assert torch.equal(compiled, eager)
-    assert counters["stats"]["unique_graphs"] >= 1
-    assert engine._compiled[0] is model
-
-
 def test_decode_step_distributions_equal_a_fresh_forward_pass(module):
     """Each step's logits (from the shared, repeated prompt cache) are those a full forward pass gives at that position."""
     model = module.policy.model

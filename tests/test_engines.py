@@ -19,7 +19,6 @@ class RecordingEngine(DecodeLoop):
     """The decode loop, reporting a sampler whose log-probs sit ``gap`` below the trainer's, and counting syncs."""
 
     def __init__(self, gap: float = 0.0):
-        super().__init__()
         self.gap, self.syncs = gap, []
 
     def sync(self, module) -> float:

@@ -174,3 +174,34 @@ def test_chunked_step_under_fsdp2_has_the_gradient_of_the_whole_micro_batch(tmp_
         # rounding scales with the gradient (largest entry 0.1 here): one embedding entry of 2.5e-4, a sum of terms
         # near 3e-2, moves by 1.3e-7 when the rows are summed in another order
         torch.testing.assert_close(chunked[name], gradient, rtol=1e-5, atol=1e-5 * float(gradient.abs().max()), msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_gives_the_eager_gradient_and_serves_rollouts_and_reference(tiny_model_path, tmp_path):
+    """RLModule(compile=True): Trainer.fit compiles the policy's and the reference's decoders; a step's gradient (chunked,
+    off-policy with KL) is the eager one up to float rounding."""
+    from torch._dynamo.utils import counters
+
+    from lit_cancel.module import compile_decoder
+
+    torch._dynamo.reset()
+    module = RLModule(tiny_model_path, objective=GRPO(kl_coef=0.05), max_new_tokens=12, temperature=0.9, compile=True)
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=2, group_size=4)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=data)
+    policy, reference = module.policy.model.get_decoder(), module.reference.model.get_decoder()
+    assert policy._compiled_call_impl is not None and reference._compiled_call_impl is not None
+    assert counters["stats"]["unique_graphs"] >= 2  # rollouts (no grad) and the training pass at least
+
+    eager = RLModule(tiny_model_path, objective=GRPO(kl_coef=0.05), max_new_tokens=12, temperature=0.9, logprob_chunk_size=7)
+    batch = unequal_batch(eager, off_policy=True)
+    expected_out, expected = step(eager, batch, BUDGET)
+    compile_decoder(eager.policy)
+    graphs = counters["stats"]["unique_graphs"]
+    out, gradient = step(eager, batch, BUDGET)
+    assert counters["stats"]["unique_graphs"] > graphs  # the step ran the compiled decoder
+    torch.testing.assert_close(out["loss"], expected_out["loss"], rtol=1e-5, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in expected.values())
+    for name, grad in expected.items():
+        torch.testing.assert_close(gradient[name], grad, rtol=1e-4, atol=1e-6, msg=name)
