@@ -3,8 +3,8 @@
 ``generate`` runs the prompt through the model once per returned sequence and spends a few
 milliseconds per step on bookkeeping that a fixed sampling recipe does not need. The loop here
 prefills each prompt once, repeats its cache for its samples, and drops finished rows from the
-batch so that tokens after EOS cost nothing. Its cache is allocated once for the longest
-completion and written in place: ``generate``'s cache concatenates every layer's keys and values
+batch so that tokens after EOS cost nothing. Its cache is written in place, in buffers that
+double when full (only the rows still decoding move): ``generate``'s cache concatenates every layer's keys and values
 at every step, a copy that grows with the sequence (10% of decoding time at 24 M parameters and
 128 new tokens on a 2-core CPU). It samples exactly as ``generate`` does (the same logits
 processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens.
@@ -58,10 +58,13 @@ def logits_processors(generation_kwargs: dict, temperature: float, top_p: float,
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One attention layer's keys and values in buffers of ``capacity`` positions, written in place.
+    """One attention layer's keys and values in buffers written in place, doubled when full, up to ``capacity`` positions.
 
     The model sees the filled part, ``buffer[:, :, :length]``, exactly what :class:`DynamicLayer`
-    would return after concatenating; no step copies what earlier steps wrote.
+    would return after concatenating; no step copies what earlier steps wrote, except when the
+    buffers double: then the rows still decoding move to the new ones. Rows that finish leave the
+    batch along the way, so the cache never holds every row at the longest length (with EOS on, at
+    24 M parameters and 256 new tokens, a quarter of the memory of buffers sized for it at once).
     """
 
     def __init__(self, capacity: int):
@@ -71,8 +74,8 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[-1])
-        self.value_buffer = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+        self.key_buffer = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
+        self.value_buffer = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[-1])
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -81,11 +84,21 @@ class PreallocatedLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"PreallocatedLayer holds {self.capacity} positions; position {end} was written")
+        if end > self.key_buffer.shape[2]:
+            self._grow(min(self.capacity, max(end, 2 * self.key_buffer.shape[2])))
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
         self._expose()
         return self.keys, self.values
+
+    def _grow(self, positions: int) -> None:
+        buffers = []
+        for old in (self.key_buffer, self.value_buffer):
+            new = old.new_empty(*old.shape[:2], positions, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            buffers.append(new)
+        self.key_buffer, self.value_buffer = buffers
 
     def _expose(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
@@ -100,7 +113,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         # the kept rows' filled positions move to the front, in place: a gathered copy of the whole buffers
-        # would hold both at once (at 24 M parameters and 256 new tokens, 0.4 GiB more at the peak)
+        # would hold both at once
         rows = len(indices)
         for buffer in (self.key_buffer, self.value_buffer):
             buffer[:rows, :, : self.length] = buffer[indices, :, : self.length]

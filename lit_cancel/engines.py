@@ -95,7 +95,7 @@ def _generate(model: nn.Module, **kwargs) -> Tensor:
 
 
 class DecodeLoop(HFGenerate):
-    """lit_cancel's decode loop (one prefill per prompt, a preallocated cache, finished rows dropped).
+    """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
 
     Models outside :data:`~lit_cancel.decoding.DECODE_LOOP_MODEL_TYPES`, generation options outside
     :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` and FSDP (v1) roots are sampled with ``generate``

@@ -149,7 +149,7 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     from lit_cancel.decoding import PreallocatedLayer
 
     torch.manual_seed(0)
-    growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=9)
+    growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=12)
 
     def both(step):
         keys, values = torch.randn(step.shape), torch.randn(step.shape[:-1] + (3,))
@@ -169,6 +169,9 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     assert (preallocated.key_buffer.data_ptr(), preallocated.value_buffer.data_ptr()) == buffers
     both(torch.empty(3, 2, 1, 4))
     both(torch.empty(3, 2, 2, 4))
-    assert preallocated.get_seq_length() == 9
-    with pytest.raises(RuntimeError, match="holds 9 positions; position 10"):
+    assert preallocated.key_buffer.shape[:3] == (3, 2, 10)  # doubled from 5 at the first decoding step, rows kept in place
+    both(torch.empty(3, 2, 3, 4))
+    # full: doubled again, to the capacity, holding only the rows still decoding
+    assert preallocated.key_buffer.shape[:3] == (3, 2, 12) and preallocated.get_seq_length() == 12
+    with pytest.raises(RuntimeError, match="holds 12 positions; position 13"):
         preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
