@@ -37,10 +37,15 @@ def load_tokenizer(path: str, option: str = "tokenizer_path") -> PreTrainedToken
     return tokenizer
 
 
-def load_causal_lm(path: str, from_scratch: bool = False, dtype: str | None = None, option: str = "model_path") -> PreTrainedModel:
-    """A causal LM from ``path`` with ``AutoModelForCausalLM``; random weights when ``from_scratch``."""
+def load_causal_lm(
+    path: str, from_scratch: bool = False, dtype: str | None = None, option: str = "model_path", attn_implementation: str | None = None
+) -> PreTrainedModel:
+    """A causal LM from ``path`` with ``AutoModelForCausalLM``; random weights when ``from_scratch``; ``attn_implementation``
+    as Hugging Face names it (None: its default)."""
     folder = resolve_model_path(path, option)
     torch_dtype = getattr(torch, dtype) if dtype else None
     if from_scratch:
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch_dtype)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), dtype=torch_dtype, attn_implementation=attn_implementation
+        )
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)

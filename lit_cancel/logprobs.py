@@ -6,6 +6,9 @@ logits are recomputed in the backward pass instead of being kept.
 
 With a token budget (``max_tokens_per_chunk``) the decoder too runs in chunks: rows sorted by
 completion length, each chunk cut to its own longest row, and the head sees completion tokens only.
+With ``pack=True`` each chunk is instead one row of its sequences laid end to end, positions starting
+again at each, which Hugging Face attention reads as separate sequences (flash-attention attends within
+each sequence only; SDPA and eager mask a block-diagonal attention over the whole chunk).
 """
 
 import torch
@@ -65,6 +68,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     max_tokens_per_chunk: int | None = None,
+    pack: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probabilities and entropies of the completion tokens ``input_ids[:, prompt_length:]``.
 
@@ -79,13 +83,15 @@ def completion_logprobs(
             chunks of at most this many tokens (rows x the chunk's widest row; a longer row is a chunk
             of its own), each chunk without the padding that all its rows share, and the head on
             completion tokens only. The values, and their gradient, are those of the whole batch.
+        pack: with ``max_tokens_per_chunk``, run each chunk (consecutive rows, at most that many tokens in
+            all) as one row of packed sequences, without any padding.
 
     Returns:
         ``(logprobs, entropy)``, each ``[B, C]`` float32. Entropy is detached. Values on padding
         positions are meaningless (zero with ``max_tokens_per_chunk``); mask them with the completion mask.
     """
     if max_tokens_per_chunk is not None:
-        return _length_sorted_logprobs(model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk)
+        return _chunked_logprobs(model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk, pack)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
         input_ids=input_ids,
@@ -124,6 +130,21 @@ def length_sorted_chunks(attention_mask: Tensor, prompt_length: int, max_tokens:
     return [torch.tensor(rows, device=attention_mask.device) for rows in chunks]
 
 
+def token_budget_chunks(attention_mask: Tensor, max_tokens: int) -> list[Tensor]:
+    """Row indices of ``attention_mask`` in order, in chunks of at most ``max_tokens`` unpadded tokens (a longer row
+    alone)."""
+    chunks, current, tokens = [], [], 0
+    for row, length in enumerate(attention_mask.sum(1).tolist()):
+        if current and tokens + length > max_tokens:
+            chunks.append(current)
+            current, tokens = [], 0
+        current.append(row)
+        tokens += length
+    if current:
+        chunks.append(current)
+    return [torch.tensor(rows, device=attention_mask.device) for rows in chunks]
+
+
 def _split_to(chunks: list[Tensor], count: int) -> list[Tensor]:
     """``chunks`` with the largest halved until there are ``count``."""
     chunks = list(chunks)
@@ -138,13 +159,17 @@ def _split_to(chunks: list[Tensor], count: int) -> list[Tensor]:
     return chunks
 
 
-def _length_sorted_logprobs(
+def _chunked_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int, temperature: float, chunk_size: int,
-    max_tokens_per_chunk: int,
+    max_tokens_per_chunk: int, pack: bool,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`completion_logprobs` with the decoder in length-sorted chunks and the head on completion tokens only."""
+    """:func:`completion_logprobs` with the decoder in chunks (length-sorted, or packed) and the head on completion
+    tokens only."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunks = length_sorted_chunks(attention_mask, prompt_length, max_tokens_per_chunk)
+    if pack:
+        chunks = token_budget_chunks(attention_mask, max_tokens_per_chunk)
+    else:
+        chunks = length_sorted_chunks(attention_mask, prompt_length, max_tokens_per_chunk)
     if dist.is_initialized() and any(is_sharded(module) for module in model.modules()):
         # each decoder call gathers every block's shards, and its backward reduces them: all processes make as many calls
         count = torch.tensor(len(chunks), device=attention_mask.device)
@@ -155,10 +180,14 @@ def _length_sorted_logprobs(
     for chunk in chunks:
         start, end = unpadded_span(attention_mask[chunk], prompt_length)
         ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
         tokens = completion[chunk, : end - prompt_length]
-        # the state at position t predicts token t + 1
-        states.append(hidden[:, prompt_length - start - 1 : -1][tokens])
+        if pack:
+            states.append(_packed_states(decoder, ids, mask, prompt_length - start))
+        else:
+            positions = position_ids_from_mask(mask)
+            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+            # the state at position t predicts token t + 1
+            states.append(hidden[:, prompt_length - start - 1 : -1][tokens])
         targets.append(ids[:, prompt_length - start :][tokens])
         chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
         rows.append(chunk[chunk_rows])
@@ -167,6 +196,19 @@ def _length_sorted_logprobs(
     # back to the rows' own order and columns, zero on padding
     where = (torch.cat(rows), torch.cat(columns))
     return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
+
+
+def _packed_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length: int) -> Tensor:
+    """The decoder's states that predict the completion tokens of ``ids`` (``[B, P + C]``, completions from ``prompt_length``),
+    in row-major order, from one row holding the rows' unpadded tokens end to end."""
+    kept = mask.bool()
+    hidden = decoder(
+        input_ids=ids[kept][None], attention_mask=None, position_ids=position_ids_from_mask(mask)[kept][None], use_cache=False
+    ).last_hidden_state[0]
+    # each kept token's index in the packed row; the state of the token before a completion token predicts it
+    index = kept.flatten().long().cumsum(0).view(kept.shape) - 1
+    predicts = index[:, prompt_length:][kept[:, prompt_length:]] - 1
+    return hidden[predicts]
 
 
 def next_token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, temperature: float = 1.0) -> Tensor:

@@ -115,7 +115,13 @@ class PolicyModule(L.LightningModule):
             are those of the whole micro-batch, and the objective still sees it whole. 1024 was the
             fastest budget on a 2-core CPU at 0.8 M and 24 M parameters (benchmarks/README.md);
             None runs each batch at once, padding included.
+        pack_sequences: run each chunk as one row of its sequences laid end to end, positions starting
+            again at each, without any padding. With ``attn_implementation="flash_attention_2"`` the
+            attention stays within each sequence; SDPA and eager attention (CPU) mask a block-diagonal
+            attention over the whole chunk, so there the length-sorted chunks (False) are faster.
         dtype: parameter dtype to load (``float32``, ``bfloat16``); None keeps the checkpoint's.
+        attn_implementation: the model's attention as Hugging Face names it (``sdpa``, ``eager``,
+            ``flash_attention_2`` with ``flash-attn`` on an NVIDIA GPU); None: Hugging Face's default.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
         lora: train LoRA adapters (peft) instead of the whole model.
         activation_checkpointing: recompute each transformer block's activations in the backward
@@ -142,7 +148,9 @@ class PolicyModule(L.LightningModule):
         val_samples: int = 4,
         logprob_chunk_size: int = 1024,
         max_tokens_per_chunk: int | None = 1024,
+        pack_sequences: bool = False,
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        attn_implementation: str | None = None,
         from_scratch: bool = False,
         lora: LoRA | None = None,
         activation_checkpointing: bool = False,
@@ -173,14 +181,16 @@ class PolicyModule(L.LightningModule):
             )
         if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
             raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
+        if pack_sequences and max_tokens_per_chunk is None:
+            raise ValueError("pack_sequences needs max_tokens_per_chunk: the most tokens in one packed row")
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
-        self.max_tokens_per_chunk = max_tokens_per_chunk
+        self.max_tokens_per_chunk, self.pack_sequences = max_tokens_per_chunk, pack_sequences
         self.compile = compile
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
-        model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype).train()
+        model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
@@ -231,7 +241,7 @@ class PolicyModule(L.LightningModule):
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
         return root(
             completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
-            self.max_tokens_per_chunk,
+            self.max_tokens_per_chunk, self.pack_sequences,
         )
 
     def configure_model(self) -> None:
@@ -364,7 +374,7 @@ class RLModule(PolicyModule):
             return self.completion_logprobs(self.reference, input_ids, attention_mask, prompt_length)[0]
         return self.policy(
             _base_model_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
-            self.max_tokens_per_chunk,
+            self.max_tokens_per_chunk, self.pack_sequences,
         )[0]
 
     @torch.no_grad()

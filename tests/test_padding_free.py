@@ -13,7 +13,7 @@ import torch
 
 from lit_cancel import GRPO, AdditionTask, DFPOMin, LoRA, RLModule, RolloutDataModule
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.logprobs import length_sorted_chunks
+from lit_cancel.logprobs import length_sorted_chunks, token_budget_chunks
 
 SPLIT_STEP = Path(__file__).parent / "split_step.py"
 BUDGET = 40  # tokens per decoder chunk: several chunks of a few rows each in the batches below
@@ -46,9 +46,10 @@ def unequal_batch(module: RLModule, off_policy: bool = False) -> RolloutBatch:
     return batch
 
 
-def step(module: RLModule, batch: RolloutBatch, max_tokens_per_chunk: int | None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The training step's outputs and the gradient of its loss, with the decoder in chunks of ``max_tokens_per_chunk``."""
-    module.max_tokens_per_chunk = max_tokens_per_chunk
+def step(module: RLModule, batch: RolloutBatch, max_tokens_per_chunk: int | None, pack: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The training step's outputs and the gradient of its loss, with the decoder in chunks of ``max_tokens_per_chunk``
+    (packed rows with ``pack``)."""
+    module.max_tokens_per_chunk, module.pack_sequences = max_tokens_per_chunk, pack
     module.zero_grad()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer
@@ -57,19 +58,24 @@ def step(module: RLModule, batch: RolloutBatch, max_tokens_per_chunk: int | None
     return out, {name: p.grad.clone() for name, p in module.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["sorted", "packed"])
 @pytest.mark.parametrize(
     ("objective", "lora", "off_policy"),
     [(GRPO(), None, False), (GRPO(kl_coef=0.05), None, True), (DFPOMin(), None, True), (GRPO(), LoRA(rank=2), True)],
     ids=["on-policy", "off-policy-kl", "dfpo-min", "lora"],
 )
-def test_chunked_step_has_the_gradient_of_the_whole_micro_batch(tiny_model_path, objective, lora, off_policy):
+def test_chunked_step_has_the_gradient_of_the_whole_micro_batch(tiny_model_path, objective, lora, off_policy, pack):
     module = RLModule(tiny_model_path, objective=objective, lora=lora, max_new_tokens=12, temperature=0.9, logprob_chunk_size=7)
     batch = unequal_batch(module, off_policy)
-    chunks = length_sorted_chunks(batch.attention_mask, batch.prompt_length, BUDGET)
-    assert len(chunks) > 2 and max(map(len, chunks)) > 1  # the sorted order is not the rows' order
+    if pack:
+        chunks = token_budget_chunks(batch.attention_mask, BUDGET)
+        assert len(chunks) > 2 and max(map(len, chunks)) > 1  # several sequences share a packed row
+    else:
+        chunks = length_sorted_chunks(batch.attention_mask, batch.prompt_length, BUDGET)
+        assert len(chunks) > 2 and max(map(len, chunks)) > 1  # the sorted order is not the rows' order
 
     whole, expected = step(module, batch, None)
-    chunked, gradient = step(module, batch, BUDGET)
+    chunked, gradient = step(module, batch, BUDGET, pack)
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(chunked["logprobs"][mask], whole["logprobs"][mask], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked["entropy"][mask], whole["entropy"][mask], rtol=1e-5, atol=1e-6)
@@ -100,6 +106,39 @@ def test_chunks_keep_to_the_budget_and_cover_every_row_once(tiny_model_path):
         assert mask.numel() <= BUDGET or len(mask) == 1
         assert mask[:, 0].any() and mask[:, -1].any()  # no column that every row of the chunk pads
     assert sum(head_positions) == lengths.sum()
+
+
+def test_packed_rows_keep_to_the_budget_and_the_decoder_sees_one_row_without_padding(tiny_model_path):
+    module = RLModule(tiny_model_path, max_new_tokens=12, max_tokens_per_chunk=BUDGET, pack_sequences=True)
+    batch = unequal_batch(module)
+    chunks = token_budget_chunks(batch.attention_mask, BUDGET)
+    lengths = batch.attention_mask.sum(1)
+    assert torch.cat(chunks).tolist() == list(range(len(batch)))
+    assert all(lengths[rows].sum() <= BUDGET or len(rows) == 1 for rows in chunks)
+    assert [len(rows) for rows in token_budget_chunks(batch.attention_mask, 1)] == [1] * len(batch)
+
+    calls = []
+    module.policy.model.get_decoder().register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    module.token_logprobs(batch.input_ids, batch.attention_mask, batch.prompt_length)
+    assert len(calls) == len(chunks)
+    for call, rows in zip(calls, chunks):
+        assert call["attention_mask"] is None and call["input_ids"].shape == (1, lengths[rows].sum())
+        # positions start again at each sequence: how attention tells the packed sequences apart
+        assert (call["position_ids"][0] == 0).sum() == len(rows)
+    with pytest.raises(ValueError, match="pack_sequences needs max_tokens_per_chunk"):
+        RLModule(tiny_model_path, max_tokens_per_chunk=None, pack_sequences=True)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_log_probs_are_the_unpacked_ones_with_either_cpu_attention(tiny_model_path, attention):
+    module = RLModule(tiny_model_path, max_new_tokens=12, attn_implementation=attention)
+    assert module.policy.model.config._attn_implementation == attention
+    batch = unequal_batch(module)
+    args = (batch.input_ids, batch.attention_mask, batch.prompt_length)
+    whole = module.token_logprobs(*args)
+    module.max_tokens_per_chunk, module.pack_sequences = BUDGET, True
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(module.token_logprobs(*args)[mask], whole[mask], rtol=1e-5, atol=1e-6)
 
 
 def test_a_selected_batch_loses_the_columns_all_its_rows_pad(tiny_model_path):
