@@ -1,7 +1,7 @@
 """Where the time of one lit_cancel GRPO step goes, on the work of ``benchmarks/vs_trl.py``.
 
     python benchmarks/profile_step.py [--row small] [--steps 10] [--decode-loop true|false] [--max-tokens-per-chunk N]
-                                      [--compile] [--threads N]
+                                      [--compile] [--pack-sequences] [--threads N]
 
 Wraps the module's parts with timers inside a normal ``Trainer.fit`` and prints the median
 milliseconds per step of each: rollout prefill and decode (model forwards over whole prompts, and
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--decode-loop", default="true", choices=["true", "false"])
     parser.add_argument("--max-tokens-per-chunk", type=int, help="the module's max_tokens_per_chunk (default: the module's)")
     parser.add_argument("--compile", action="store_true", help="RLModule(compile=True): the decoder through torch.compile")
+    parser.add_argument("--pack-sequences", action="store_true", help="RLModule(pack_sequences=True): packed log-prob chunks")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -95,6 +96,7 @@ def main() -> None:
             scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=row.new_tokens, activation_checkpointing=row.checkpointing,
             generation_kwargs=generation_kwargs(row), engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
             optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0), compile=args.compile,
+            pack_sequences=args.pack_sequences,
             **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk}),
         )
         model = module.policy.model
@@ -140,7 +142,7 @@ def main() -> None:
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"
     print(f"{params / 1e6:.1f} M params, {'EOS or ' if row.eos else ''}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
           f"checkpointing {'on' if row.checkpointing else 'off'}, {sampler}, max_tokens_per_chunk {module.max_tokens_per_chunk}"
-          f"{', compiled' if args.compile else ''}: "
+          f"{', compiled' if args.compile else ''}{', packed' if args.pack_sequences else ''}: "
           f"median of {len(steps)} steps, {total * 1000:.0f} ms per step, {torch.get_num_threads()} threads, "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB\n")
     print("| part | ms per step | share |")
