@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-loop", default="true", choices=["true", "false"])
-    parser.add_argument("--max-tokens-per-chunk", type=int, help="the module's max_tokens_per_chunk (default: the module's)")
+    parser.add_argument("--max-tokens-per-chunk", type=int, help="the module's max_tokens_per_chunk (default: the module's; 0: None)")
     parser.add_argument("--compile", action="store_true", help="RLModule(compile=True): the decoder through torch.compile")
     parser.add_argument("--pack-sequences", action="store_true", help="RLModule(pack_sequences=True): packed log-prob chunks")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -97,7 +97,7 @@ def main() -> None:
             generation_kwargs=generation_kwargs(row), engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
             optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0), compile=args.compile,
             pack_sequences=args.pack_sequences,
-            **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk}),
+            **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk or None}),
         )
         model = module.policy.model
         in_rollout = []
