@@ -64,7 +64,7 @@ class PreallocatedLayer(DynamicLayer):
     would return after concatenating; no step copies what earlier steps wrote, except when the
     buffers double: then the rows still decoding move to the new ones. Rows that finish leave the
     batch along the way, so the cache never holds every row at the longest length (with EOS on, at
-    24 M parameters and 256 new tokens, a quarter of the memory of buffers sized for it at once).
+    24 M parameters and 256 new tokens, the step's peak memory fell from 2,225 to 1,871 MiB).
     """
 
     def __init__(self, capacity: int):

@@ -132,7 +132,7 @@ class PolicyModule(L.LightningModule):
             :class:`~lit_cancel.DecodeLoop` when None. ``lit_cancel.VLLMEngine`` samples with vLLM.
         compile: ``torch.compile`` the model's decoder (``dynamic=True``, compiled when the trainer sets
             the model up), which every decoding step and log-prob pass runs. On a 2-core CPU at 0.8 M
-            parameters it took a step from 0.51 s to 0.39 s after about 20 s of compilation
+            parameters it took a step from 0.50 s to 0.40 s after about 20 s of compilation
             (benchmarks/README.md): for long runs of small models. Needs a C++ compiler on a CPU; not
             with a sharding strategy.
     """
