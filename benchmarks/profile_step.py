@@ -18,14 +18,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from vs_trl import GROUP, LR, PROMPTS, ROWS, SEED, generation_kwargs, write_model  # benchmarks/ is on the path when run as a script
+from vs_trl import ROWS, fit_lit_cancel, lit_cancel_module, write_model  # benchmarks/ is on the path when run as a script
 
 import lit_cancel.rollouts
-from lit_cancel import GRPO, DecodeLoop, HFGenerate, RLModule, RolloutDataModule
-from lit_cancel.tasks import AdditionTask
+from lit_cancel import DecodeLoop, HFGenerate
 
 PARTS = ["prefill", "decode", "reward", "advantages", "old/ref log-probs", "training forward", "backward", "optimizer", "other"]
 
@@ -92,10 +90,8 @@ def main() -> None:
     watch = Stopwatch()
     with tempfile.TemporaryDirectory() as scratch:
         params = write_model(Path(scratch), row)
-        module = RLModule(
-            scratch, objective=GRPO(clip_eps=0.2), max_new_tokens=row.new_tokens, activation_checkpointing=row.checkpointing,
-            generation_kwargs=generation_kwargs(row), engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
-            optimizer=lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.0), compile=args.compile,
+        module = lit_cancel_module(
+            scratch, row, engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(), compile=args.compile,
             pack_sequences=args.pack_sequences,
             **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk or None}),
         )
@@ -129,14 +125,7 @@ def main() -> None:
         module.training_step = watch.timed("training forward", module.training_step)
         module.objective.advantages = watch.timed("advantages", module.objective.advantages)
         lit_cancel.rollouts.score = watch.timed("reward", lit_cancel.rollouts.score)
-        data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
-        trainer = L.Trainer(
-            max_steps=args.steps + args.warmup + 1, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true",
-            logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-            gradient_clip_val=1.0, callbacks=[StepParts(watch)], default_root_dir=scratch,
-        )
-        trainer.fit(module, data)
+        fit_lit_cancel(module, scratch, row, args.steps + args.warmup + 1, [StepParts(watch)])
     steps = watch.steps[args.warmup:]
     total = statistics.median(s["total"] for s in steps)
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"

@@ -131,11 +131,35 @@ def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[i
     return ends, lengths
 
 
-def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[int]]]:
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
+def lit_cancel_module(folder: str, row: Row, **options):
+    """The ``RLModule`` of a row: GRPO, sampling at T = 1, AdamW without weight decay; ``options`` override."""
+    from lit_cancel import GRPO, RLModule
 
-    from lit_cancel import GRPO, RLModule, RolloutDataModule
+    settings = dict(
+        objective=GRPO(clip_eps=0.2), temperature=1.0, top_p=1.0, max_new_tokens=row.new_tokens,
+        activation_checkpointing=row.checkpointing, generation_kwargs=generation_kwargs(row), compile=row.compiled,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+    )
+    return RLModule(folder, **{**settings, **options})
+
+
+def fit_lit_cancel(module, folder: str, row: Row, steps: int, callbacks: list) -> None:
+    """``Trainer.fit`` of ``module`` on the row's prompts for ``steps`` optimizer steps, in the row's precision."""
+    import lightning as L
+
+    from lit_cancel import RolloutDataModule
+
+    data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=callbacks, default_root_dir=folder,
+    )
+    trainer.fit(module, data)
+
+
+def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[int]]]:
+    from lightning.pytorch.callbacks import Callback
 
     ends, lengths = [], []
 
@@ -144,18 +168,7 @@ def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list
             ends.append(time.perf_counter())
             lengths.append(batch.completion_mask.sum(1).tolist())
 
-    module = RLModule(
-        folder, objective=GRPO(clip_eps=0.2), temperature=1.0, top_p=1.0, max_new_tokens=row.new_tokens,
-        activation_checkpointing=row.checkpointing, generation_kwargs=generation_kwargs(row),
-        compile=row.compiled, optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
-    )
-    data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=[StepEnds()], default_root_dir=folder,
-    )
-    trainer.fit(module, data)
+    fit_lit_cancel(lit_cancel_module(folder, row), folder, row, steps, [StepEnds()])
     return ends, lengths
 
 
