@@ -30,7 +30,7 @@ from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import prepare_run
+from lit_cancel.runs import prepare_run, try_writing_in
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -310,13 +310,27 @@ def _load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
         return torch.load(gathered, map_location="cpu", weights_only=False)["state_dict"]
 
 
+def check_output_dir(folder: Path, overwrite: bool) -> None:
+    """Raises ConfigError when ``export`` could not write ``folder``, or would write among files already there."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--output_dir {folder} is a file, not a folder: name a new or empty folder")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise ConfigError(f"--output_dir {folder} is not empty: name a new or empty folder, or add --overwrite to write over its files")
+    try:
+        try_writing_in(folder)
+    except OSError as error:
+        raise ConfigError(f"--output_dir {folder}: cannot write in it ({error.strerror}: {error.filename})") from error
+
+
 def export(argv: list[str]) -> None:
     """``lit-cancel export``: a training checkpoint to a Hugging Face folder, LoRA adapters merged."""
     parser = argparse.ArgumentParser(prog="lit-cancel export", description=export.__doc__)
     parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
-    parser.add_argument("--output_dir", required=True, help="folder for save_pretrained")
+    parser.add_argument("--output_dir", required=True, help="folder for save_pretrained: new, or empty")
+    parser.add_argument("--overwrite", action="store_true", help="write into an --output_dir that already holds files")
     args = parser.parse_args(argv)
+    check_output_dir(Path(args.output_dir), args.overwrite)
     checkpoint_parameter_names(args.ckpt_path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # sys.argv is export's own

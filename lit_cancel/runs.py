@@ -103,16 +103,25 @@ def check_writable(config: Namespace) -> None:
     elif config.trainer.get("default_root_dir"):
         folders["trainer.default_root_dir"] = Path(config.trainer.default_root_dir)
     for option, folder in folders.items():
-        existing = folder
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
         try:
-            if not existing.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-            with tempfile.TemporaryFile(dir=existing):
-                pass
+            try_writing_in(folder)
         except OSError as error:
-            raise ValueError(f"{option}: cannot write in {folder} ({error.strerror}: {existing})") from error
+            raise ValueError(f"{option}: cannot write in {folder} ({error.strerror}: {error.filename})") from error
+
+
+def try_writing_in(folder: Path) -> None:
+    """Raises OSError (``filename``: the folder tried) unless a file can be made in ``folder`` or, when it does not
+    exist yet, in the nearest folder above it that does. Permissions alone would not do: root ignores them."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(existing)) from error
 
 
 def newest_last_checkpoint(config: Namespace) -> str:

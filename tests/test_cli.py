@@ -260,3 +260,25 @@ def test_file_that_is_not_a_checkpoint_is_named(tmp_path, monkeypatch, capsys, c
     assert console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, f"--ckpt_path={path}"))[-1] == expected
     export = ["export", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={path}", f"--output_dir={tmp_path / 'out'}"]
     assert console_error(monkeypatch, capsys, *export)[-1] == expected
+
+
+def test_export_refuses_a_file_or_a_folder_with_files_unless_overwrite(tmp_path, monkeypatch, capsys, checkpoints):
+    export = ["export", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={checkpoints['quickstart']}"]
+    a_file = tmp_path / "model.bin"
+    a_file.write_text("kept")
+    assert console_error(monkeypatch, capsys, *export, f"--output_dir={a_file}") == [
+        "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)",
+        f"error: --output_dir {a_file} is a file, not a folder: name a new or empty folder",
+    ]
+    assert a_file.read_text() == "kept"
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("kept")
+    assert console_error(monkeypatch, capsys, *export, f"--output_dir={used}")[-1] == (
+        f"error: --output_dir {used} is not empty: name a new or empty folder, or add --overwrite to write over its files"
+    )
+    assert sorted(p.name for p in used.iterdir()) == ["notes.txt"]
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *export, f"--output_dir={used}", "--overwrite"])
+    cli.main()
+    assert (used / "config.json").is_file() and (used / "notes.txt").read_text() == "kept"
+    assert AutoModelForCausalLM.from_pretrained(used).num_parameters() > 0
