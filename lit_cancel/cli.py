@@ -31,6 +31,7 @@ from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.runs import prepare_run, try_writing_in
+from lit_cancel.sharding import shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -253,13 +254,25 @@ class LitCancelCLI(LightningCLI):
             except RewardError as error:
                 raise ConfigError(str(error)) from error
 
+    def check_strategy(self) -> None:
+        """Refuses what the module cannot do under the trainer's strategy, before the strategy launches its processes."""
+        strategy = type(self.trainer.strategy).__name__
+        if getattr(self.model, "compile", None) is True and shards(self.trainer.strategy):
+            raise ConfigError(
+                f"model.init_args.compile: true does not work with trainer.strategy {strategy}, which shards the model "
+                "(a sharded decoder is not compiled): set model.init_args.compile: false, or compile without sharding "
+                "(strategy auto or ddp)"
+            )
+
     def before_validate(self) -> None:
+        self.check_strategy()
         self.check_reward()
 
     def before_fit(self) -> None:
         lr = self.config.fit.get("model.init_args.optimizer.init_args.lr")
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
+        self.check_strategy()
         self.check_reward()
         ckpt_path = self.config.fit.get("ckpt_path")
         if isinstance(self.datamodule, RolloutDataModule):

@@ -62,6 +62,11 @@ def fully_shard_model(root: ModelRoot, mesh: DeviceMesh) -> FSDPModule:
     return fully_shard(root, mesh=mesh)
 
 
+def shards(strategy: Strategy) -> bool:
+    """Whether :func:`shard` shards a model under ``strategy``."""
+    return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+
+
 def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
     """Shards ``root`` block by block under an FSDP2 or FSDP ``strategy``; other strategies get it back unchanged.
 

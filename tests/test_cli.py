@@ -282,3 +282,15 @@ def test_export_refuses_a_file_or_a_folder_with_files_unless_overwrite(tmp_path,
     cli.main()
     assert (used / "config.json").is_file() and (used / "notes.txt").read_text() == "kept"
     assert AutoModelForCausalLM.from_pretrained(used).num_parameters() > 0
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_compile_under_a_sharding_strategy_is_refused_before_any_process_starts(tmp_path, monkeypatch, capsys, command):
+    args = quick_args(tmp_path, 2, "--model.init_args.compile=true")
+    args[0], args[2] = command, str(CONFIGS / "quickstart-fsdp2-cpu.yaml")
+    if command == "validate":
+        args = [a for a in args if not a.startswith("--trainer.max_steps")]
+    assert console_error(monkeypatch, capsys, *args)[-1] == (
+        "error: model.init_args.compile: true does not work with trainer.strategy ModelParallelStrategy, which shards the model "
+        "(a sharded decoder is not compiled): set model.init_args.compile: false, or compile without sharding (strategy auto or ddp)"
+    )
