@@ -13,6 +13,8 @@ Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and gener
 outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
 """
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessorList
@@ -127,6 +129,13 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Cache:
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24 on (which deprecates the
+    older ``past_key_values`` with a warning on every call), ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it on
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_completions(
     model: nn.Module,
@@ -145,7 +154,8 @@ def sample_completions(
     ``C <= max_new_tokens`` is the longest completion.
 
     Args:
-        model: a Hugging Face causal LM whose forward takes ``position_ids``, ``past_key_values`` and ``logits_to_keep``.
+        model: a Hugging Face causal LM whose forward takes ``position_ids``, a cache (:func:`cache_keyword`) and
+            ``logits_to_keep``.
         input_ids: ``[B, P]`` left-padded prompts.
         attention_mask: ``[B, P]``.
         num_samples: completions per prompt (``n``).
@@ -161,9 +171,9 @@ def sample_completions(
     # without left padding every mask is all ones: the model's causal masking alone is the same, and cheaper
     padded = not bool(attention_mask.all())
     cache = preallocated_cache(model, prompt_length + max_new_tokens)
+    with_cache = {cache_keyword(model): cache, "use_cache": True}
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions, logits_to_keep=1, **with_cache,
     ).logits[:, -1]
     cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
@@ -194,7 +204,6 @@ def sample_completions(
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         logits = model(
-            input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position,
-            past_key_values=cache, use_cache=True,
+            input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position, **with_cache,
         ).logits[:, -1]
     return sequences[:, :length]

@@ -175,3 +175,18 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     assert preallocated.key_buffer.shape[:3] == (3, 2, 12) and preallocated.get_seq_length() == 12
     with pytest.raises(RuntimeError, match="holds 12 positions; position 13"):
         preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_decode_loop_hands_its_cache_over_without_a_deprecation_warning(module, lora):
+    import warnings
+
+    model = varied_model()
+    if lora:
+        model = LoRA(rank=2, target_modules=["q_proj"]).apply(model)
+    ids, mask = encoded(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sample_completions(model, ids, mask, 2, 6, -1, 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
+    assert [str(w.message) for w in caught if "past_key_values" in str(w.message) or "cache" in str(w.message)] == []
+    assert torch.equal(got[::2], hf_greedy(model, ids, mask, eos=-1, new_tokens=6))
