@@ -9,6 +9,7 @@ status 1). ``LIT_CANCEL_DEBUG=1`` shows the whole traceback instead.
 
 import argparse
 import importlib
+import logging
 import os
 import re
 import sys
@@ -20,8 +21,10 @@ from pathlib import Path
 import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -254,9 +257,16 @@ class LitCancelCLI(LightningCLI):
             except RewardError as error:
                 raise ConfigError(str(error)) from error
 
-    def check_strategy(self) -> None:
-        """Refuses what the module cannot do under the trainer's strategy, before the strategy launches its processes."""
+    def check_trainer(self) -> None:
+        """Refuses what the module cannot do under the trainer's strategy, before the strategy launches its processes;
+        warns of a precision that would make the run slow on this machine."""
         strategy = type(self.trainer.strategy).__name__
+        precision = str(self.trainer.precision)
+        if precision.startswith("bf16") and isinstance(self.trainer.accelerator, CPUAccelerator) and cpu_has_native_bf16() is False:
+            rank_zero_warn(
+                f"trainer.precision {precision} on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): every "
+                "bfloat16 product is emulated, so the run will be slower than in float32; use trainer.precision 32-true"
+            )
         if getattr(self.model, "compile", None) is True and shards(self.trainer.strategy):
             raise ConfigError(
                 f"model.init_args.compile: true does not work with trainer.strategy {strategy}, which shards the model "
@@ -265,14 +275,14 @@ class LitCancelCLI(LightningCLI):
             )
 
     def before_validate(self) -> None:
-        self.check_strategy()
+        self.check_trainer()
         self.check_reward()
 
     def before_fit(self) -> None:
         lr = self.config.fit.get("model.init_args.optimizer.init_args.lr")
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
-        self.check_strategy()
+        self.check_trainer()
         self.check_reward()
         ckpt_path = self.config.fit.get("ckpt_path")
         if isinstance(self.datamodule, RolloutDataModule):
@@ -288,6 +298,15 @@ class LitCancelCLI(LightningCLI):
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether the CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX, from /proc/cpuinfo); None where unknown."""
+    try:
+        flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags[1].split()))
 
 
 def _class(class_path: str) -> type:
@@ -360,8 +379,17 @@ def export(argv: list[str]) -> None:
     print(f"saved {args.output_dir}")
 
 
+def quiet_dependencies() -> None:
+    """Drops what the libraries under the command print on every run and that a user can do nothing about."""
+    # Lightning 2.6 flattens every dataloader with torch's LeafSpec, which torch 2.13 deprecates in a FutureWarning
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    # Lightning advertises its cloud services at every Trainer it builds
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: not record.getMessage().startswith("💡 Tip"))
+
+
 def main() -> None:
     """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export`` and ``audit-objective``."""
+    quiet_dependencies()
     command = sys.argv[1:2]
     try:
         if command == ["audit-objective"]:

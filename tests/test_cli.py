@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,38 @@ def test_compile_under_a_sharding_strategy_is_refused_before_any_process_starts(
         "error: model.init_args.compile: true does not work with trainer.strategy ModelParallelStrategy, which shards the model "
         "(a sharded decoder is not compiled): set model.init_args.compile: false, or compile without sharding (strategy auto or ddp)"
     )
+
+
+@pytest.mark.parametrize("native, warned", [(False, True), (True, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_use(tmp_path, monkeypatch, native, warned):
+    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: native)
+    args = ["validate", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.precision=bf16-mixed", "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task.init_args.val_size=2", "--model.init_args.val_samples=1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(args)
+    slow = [str(w.message) for w in caught if "bfloat16 instructions" in str(w.message)]
+    assert slow == ([
+        "trainer.precision bf16-mixed on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): every bfloat16 product is "
+        "emulated, so the run will be slower than in float32; use trainer.precision 32-true"
+    ] if warned else [])
+
+
+def test_the_cpu_flags_decide_native_bf16(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    real_path = cli.Path
+    monkeypatch.setattr(cli, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
+    for flags, native in [("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True)]:
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert cli.cpu_has_native_bf16() is native
+    info.write_text("processor : 0\n")
+    assert cli.cpu_has_native_bf16() is None
+
+
+def test_a_run_prints_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script):
+    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    result = subprocess.run([lit_cancel_script, *quick_args(tmp_path, 2)], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    for noise in ["LeafSpec", "past_key_values", "Tip:", "Warning", "deprecated"]:
+        assert noise not in output, output
