@@ -278,6 +278,13 @@ class LitCancelCLI(LightningCLI):
         self.check_trainer()
         self.check_reward()
 
+    def after_validate(self) -> None:
+        """Prints the held-out metrics (the module logs them to its loggers itself, at the checkpoint's step)."""
+        metrics = {name: float(value) for name, value in self.trainer.callback_metrics.items() if name.startswith("val/")}
+        if metrics and self.trainer.is_global_zero:
+            width = max(map(len, metrics))
+            print("\n".join(f"{name:<{width}}  {value:.4f}" for name, value in sorted(metrics.items())))
+
     def before_fit(self) -> None:
         lr = self.config.fit.get("model.init_args.optimizer.init_args.lr")
         if isinstance(lr, int | float) and lr <= 0:

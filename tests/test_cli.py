@@ -330,3 +330,14 @@ def test_a_run_prints_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script
     output = result.stdout + result.stderr
     for noise in ["LeafSpec", "past_key_values", "Tip:", "Warning", "deprecated"]:
         assert noise not in output, output
+
+
+def test_validate_prints_the_held_out_metrics(tmp_path, capsys, checkpoints):
+    run = main(["validate", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={checkpoints['quickstart']}",
+                "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4",
+                "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=2"])
+    printed = dict(line.split() for line in capsys.readouterr().out.strip().splitlines()[-2:])
+    assert set(printed) == {"val/accuracy", "val/greedy_accuracy"}
+    for name, value in printed.items():
+        assert float(value) == pytest.approx(float(run.trainer.callback_metrics[name]), abs=5e-5)
