@@ -298,24 +298,26 @@ def test_extra_passes_run_in_the_trainers_precision_context():
 class SamplingPolicy(BigramPolicy):
     """The common layout: the batch holds prompts only; the training step samples the group and returns everything.
 
-    The reward is whether the second sampled token is 6 or above; members' credits are weighted
-    unequally (1, 1/2, 1, 1/2), which does not cancel.
+    Every completion opens with the template token 5, so each group shares the context 3 -> 5; two
+    tokens are sampled after it. The reward is whether the second completion token is 6 or above;
+    members' credits are weighted unequally (1, 1/2, 1/4, 1/8), which does not cancel.
     """
 
     group_size = 4
+    template_token = 5
 
     def training_step(self, batch, batch_idx):
         prompts = batch["prompts"].repeat_interleave(self.group_size, 0)
         generator = torch.Generator().manual_seed(batch_idx)
         with torch.no_grad():
-            tokens = [prompts]
-            for _ in range(3):
+            tokens = [prompts, torch.full_like(prompts[:, :1], self.template_token)]
+            for _ in range(2):
                 tokens.append(torch.multinomial(self.table[tokens[-1][:, -1]].softmax(-1), 1, generator=generator))
             input_ids = torch.cat(tokens, 1)
         rewards = (input_ids[:, 3] >= 6).float().view(-1, self.group_size)
         advantages = (rewards - rewards.mean(1, keepdim=True)).view(-1)
         logprobs, log_dist = self._logprobs(input_ids, 2)
-        weights = torch.tensor([1.0, 0.5]).repeat(len(prompts) // 2)
+        weights = torch.tensor([1.0, 0.5, 0.25, 0.125]).repeat(len(prompts) // self.group_size)
         credits = (advantages * weights / 3).unsqueeze(1).expand_as(logprobs)
         return {
             "loss": -(credits * logprobs).sum(), "credits": credits, "logprobs": logprobs.detach(),
@@ -334,7 +336,6 @@ def test_a_module_that_samples_inside_its_training_step():
     monitors = [EntropyCollapseMonitor(), LearningTaxMonitor(kl_every_n_steps=1), TokenFlipMonitor(every_n_steps=1)]
     keep, kept = KeepTable(), KeepOutputs()
     module = SamplingPolicy([{"prompts": torch.tensor([[1, 3], [2, 3]])}], lr=2.0)
-    module.table.data[3, 5] = 10.0  # every member starts its completion with 5: a shared context (3) per group
     fit(module, [keep, kept, *monitors], 1)
     out, after, before = kept.outputs, module.table.detach(), keep.before[0]
     tokens, mask = out["input_ids"][:, 2:], out["completion_mask"]
@@ -342,7 +343,8 @@ def test_a_module_that_samples_inside_its_training_step():
     assert monitors[1].last_tax == pytest.approx(learning_tax(out["credits"], tokens, mask, out["group_ids"])) and monitors[1].last_tax > 0
     contexts = out["input_ids"][:, 1:-1][shared_positions(tokens, mask, out["group_ids"])]  # groups of equal size
     kl = (before[contexts].softmax(-1) * (before[contexts].log_softmax(-1) - after[contexts].log_softmax(-1))).sum(-1)
-    assert monitors[1].last_shared_kl == pytest.approx(float(kl.mean()), rel=1e-5) and monitors[1].last_shared_kl > 0
+    # the uniform context 3 moves by a KL of order lr^2 * net credit^2 / 12, far above float32 rounding (~1e-7 here)
+    assert monitors[1].last_shared_kl == pytest.approx(float(kl.mean()), rel=1e-4) and monitors[1].last_shared_kl > 1e-4
     delta = bigram_logprobs(after, out["input_ids"]) - bigram_logprobs(before, out["input_ids"])
     assert monitors[2].last["mean_abs_change"] == pytest.approx(float(delta.abs().mean()), rel=1e-5)
     assert monitors[0].baseline is not None
