@@ -1,5 +1,6 @@
 r"""Learning tax: the share of an update's credit left uncancelled on tokens a whole group shares."""
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -214,7 +215,8 @@ class LearningTaxMonitor(Callback):
     ``health/shared_kl`` every ``kl_every_n_steps`` steps (steps 0, n, 2n, ...). When the tax
     exceeds ``max_tax`` it warns once (again only after it has come back under) or stops the
     trainer on every process. A step in which no group has two members (in a micro-batch of this
-    process) has no shared tokens: its tax is 0 and means nothing, which it warns about once.
+    process) has no shared tokens: its tax is 0 and means nothing, which it warns about once. A step
+    with credits that are not finite has a tax of NaN, also warned once.
 
     Args:
         max_tax: alert above this tax.
@@ -249,11 +251,11 @@ class LearningTaxMonitor(Callback):
         self.last_tax: float | None = None
         self.last_shared_kl: float | None = None
         self.taxed = False
-        self.warned_no_groups = False
+        self.warned_no_groups = self.warned_nonfinite = False
         self.alert_steps: list[int] = []
         self._step_has_group = False
         self._step = 0
-        self._uncancelled, self._total = SumMetric(), SumMetric()
+        self._uncancelled, self._total, self._nonfinite = SumMetric(), SumMetric(), SumMetric()
         self._kl_sum, self._kl_count = SumMetric(), SumMetric()
         self._contexts: list[tuple[Tensor, Tensor, Tensor]] = []
         self._snapshot: StepSnapshot | None = None
@@ -275,7 +277,7 @@ class LearningTaxMonitor(Callback):
                 f"LearningTaxMonitor needs {type(pl_module).__name__}.next_token_logprobs(input_ids, attention_mask, positions) "
                 f"-> [N, V] for the KL; it has none (kl_every_n_steps=0 turns the KL off)"
             )
-        for name in ("_uncancelled", "_total", "_kl_sum", "_kl_count"):
+        for name in ("_uncancelled", "_total", "_nonfinite", "_kl_sum", "_kl_count"):
             setattr(self, name, getattr(self, name).to(pl_module.device))
 
     @override
@@ -310,16 +312,26 @@ class LearningTaxMonitor(Callback):
         ) is not None
         fields = read_contract("LearningTaxMonitor", {**CONTRACT, **(COMPLETION_IDS if has_ids else SEQUENCES)}, outputs, batch)
         tokens = fields["completion_ids"] if has_ids else fields["input_ids"][:, fields["prompt_length"] :]
-        uncancelled, total = uncancelled_credit(fields["credits"].detach(), tokens, fields["completion_mask"], fields["group_ids"])
+        credits, mask = fields["credits"].detach(), fields["completion_mask"]
+        finite = torch.isfinite(credits)
+        self._nonfinite.update((~finite & mask.bool()).sum())
+        uncancelled, total = uncancelled_credit(credits.masked_fill(~finite, 0.0), tokens, mask, fields["group_ids"])
         self._step_has_group = self._step_has_group or bool((torch.unique(fields["group_ids"], return_counts=True)[1] > 1).any())
         self._uncancelled.update(uncancelled)
         self._total.update(total)
 
     def _log_tax(self, trainer: "pl.Trainer") -> None:
-        total = float(self._total.compute())
-        self.last_tax = float(self._uncancelled.compute()) / total if total > 0 else 0.0
-        self._uncancelled.reset()
-        self._total.reset()
+        total, nonfinite = float(self._total.compute()), int(self._nonfinite.compute())
+        self.last_tax = math.nan if nonfinite else float(self._uncancelled.compute()) / total if total > 0 else 0.0
+        for metric in (self._uncancelled, self._total, self._nonfinite):
+            metric.reset()
+        if nonfinite and not self.warned_nonfinite:
+            self.warned_nonfinite = True
+            rank_zero_warn(
+                f"LearningTaxMonitor at step {self._step}: {nonfinite} completion tokens have credits that are not finite "
+                "(NaN or inf), so its learning tax is NaN, not a measure: the training step's loss, advantages or importance "
+                "ratios were not finite (warned once)"
+            )
         if not self._step_has_group and not self.warned_no_groups:
             self.warned_no_groups = True
             rank_zero_warn(

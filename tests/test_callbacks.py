@@ -138,6 +138,23 @@ def test_learning_tax_warns_once_when_no_group_has_two_members():
     ]
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_learning_tax_of_credits_that_are_not_finite_is_nan_and_says_why(bad):
+    credits = [row[:] for row in NOT_EXCHANGEABLE]
+    credits[1][3] = bad
+    monitor = LearningTaxMonitor(kl_every_n_steps=0)
+    batches = [group_batch(credits, COMPLETIONS, [1.0, -1.0]), group_batch(NOT_EXCHANGEABLE, COMPLETIONS, [1.0, -1.0])]
+    with pytest.warns(UserWarning, match="not finite") as record:
+        fit(BigramPolicy(batches[:1]), [monitor], 1)
+    assert math.isnan(monitor.last_tax)
+    assert [str(w.message) for w in record if "LearningTaxMonitor" in str(w.message)] == [
+        "LearningTaxMonitor at step 0: 1 completion tokens have credits that are not finite (NaN or inf), so its learning tax is "
+        "NaN, not a measure: the training step's loss, advantages or importance ratios were not finite (warned once)"
+    ]
+    fit(BigramPolicy(batches[1:]), [monitor], 1)  # the next finite step is measured again
+    assert monitor.last_tax == pytest.approx(0.25 / 3.75)
+
+
 def test_learning_tax_of_real_groups_does_not_warn_about_groups():
     monitor = LearningTaxMonitor(kl_every_n_steps=0)
     with warnings.catch_warnings(record=True) as record:
