@@ -7,7 +7,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -249,6 +249,8 @@ class PolicyModule(L.LightningModule):
         with ``compile``."""
         self.policy = shard(self.policy, self.trainer.strategy)
         if self.compile:
+            rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "
+                           "validation); on a CPU each can take a minute before the run goes on at full speed")
             compile_decoder(self.policy)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

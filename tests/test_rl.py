@@ -111,3 +111,17 @@ def test_kl_run_logs_positive_kl_after_updates(tmp_path):
     trainer.fit(module, datamodule=data)
     # the first step is at the reference (KL 0); after two updates the policy has moved away
     assert trainer.callback_metrics["loss/kl"] > 0
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_compile_says_that_the_first_passes_compile(tiny_model_path, caplog, compile):
+    module = RLModule(tiny_model_path, compile=compile)
+    module.trainer = make_trainer(1)
+    with caplog.at_level("INFO"):
+        module.configure_model()
+    said = [record.getMessage() for record in caplog.records if "compile" in record.getMessage()]
+    assert said == ([
+        "model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, validation); on a CPU "
+        "each can take a minute before the run goes on at full speed"
+    ] if compile else [])
+    assert (module.policy.model.get_decoder()._compiled_call_impl is not None) is compile
