@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,15 @@ def test_every_public_name_resolves_and_is_listed():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         lit_cancel.NoSuchThing  # noqa: B018 (the lookup itself is under test)
+
+
+def test_the_wheel_ships_the_models_and_builds_without_a_packaging_warning(tmp_path):
+    root = Path(__file__).parents[1]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(root)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert "BuildBackendWarning" not in built.stderr and "DeprecationWarning" not in built.stderr, built.stderr
+    (wheel,) = tmp_path.glob("lit_cancel-*.whl")
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("lit_cancel/assets/")}
+    expected = {f"lit_cancel/{path.relative_to(root / 'lit_cancel').as_posix()}" for path in (root / "lit_cancel" / "assets").glob("*/*")}
+    assert shipped == expected and len(expected) == 10
