@@ -18,3 +18,17 @@ def test_readme_states_the_commands():
     text = README.read_text()
     for command in ['pip install -e ".[dev]"', "lit-cancel fit --config configs/quickstart.yaml", "pytest"]:
         assert command in text
+
+
+def command_lines(text: str) -> list[str]:
+    """The ``pip`` lines of a shell text, without their comments."""
+    return [line.split("  #")[0].strip() for line in text.splitlines() if line.strip().startswith("pip ")]
+
+
+def test_ci_installs_with_exactly_the_readme_lines():
+    readme = command_lines("\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)))
+    ci = command_lines((README.parent / ".ci" / "run").read_text())
+    # the README's lines for a CPU, in the README's order, each environment from its torch line on
+    cpu_lines = [line for line in readme if line != 'pip install -e ".[vllm]"']
+    assert ci == cpu_lines
+    assert ci.count("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu") == 2
