@@ -45,6 +45,21 @@ _UNSCALED_ROPE = (None, "default", "llama3", "yarn")
 _ENGINE_KEY = "model.init_args.engine.init_args"
 
 
+def log_level_option(llm_kwargs: dict) -> dict:
+    """``{"log_level": "WARNING"}`` for ``vllm.LLM``, unless the user chose vLLM's logging.
+
+    vLLM logs at INFO by default: some 30 lines as the engine starts and three at every weight push
+    (``Successfully reset prefix cache``), none of them anything to act on. vLLM applies the level of
+    its ``LoggingConfig`` to the ``vllm`` logger and its handler when the engine starts (again in any
+    engine process it spawns), so a level set on the logger beforehand would be replaced. Warnings and
+    errors still show. ``VLLM_LOGGING_LEVEL`` in the environment, or ``log_level`` or ``logging_config``
+    in ``llm_kwargs``, are left to decide.
+    """
+    if "VLLM_LOGGING_LEVEL" in os.environ or {"log_level", "logging_config"} & set(llm_kwargs):
+        return {}
+    return {"log_level": "WARNING"}
+
+
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors.
 
@@ -99,7 +114,9 @@ class VLLMEngine(RolloutEngine):
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
     ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
-    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was.
+    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was. vLLM logs
+    warnings and errors only, unless ``VLLM_LOGGING_LEVEL`` or ``llm_kwargs`` says otherwise
+    (:func:`log_level_option`).
 
     Args:
         kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
@@ -239,6 +256,7 @@ class VLLMEngine(RolloutEngine):
                 seed=0,
                 **memory,
                 **distributed,
+                **log_level_option(self.llm_kwargs),
                 **self.llm_kwargs,
             )
 

@@ -8,6 +8,7 @@ tests run in their own pytest process, in an environment with the extra installe
 Without vLLM they are skipped.
 """
 
+import logging
 import subprocess
 import sys
 from functools import partial
@@ -25,6 +26,7 @@ from test_engines import fit  # noqa: E402
 from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
 from lit_cancel.cli import run_cli  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
+from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
@@ -140,6 +142,31 @@ def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy()
         base_logprobs = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
     assert float(((base_logprobs - generation.sampler_logprobs).abs() * generation.completion_mask).max()) > 100 * TOLERANCE
     assert all(torch.equal(p, base[n]) for n, p in module.policy.named_parameters() if "base_layer" in n)
+
+
+def test_vllm_prints_its_warnings_but_not_its_info_lines(monkeypatch, capfd):
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:  # vLLM's handler writes to the stdout of the test that started the first engine
+        if handler.name == "vllm":
+            monkeypatch.setattr(handler, "stream", sys.stdout)
+    module = vllm_module()
+    torch.manual_seed(6)
+    module.rollout(*prompts(module), num_samples=2)  # starts vLLM and pushes the weights
+    module.weights_version += 1
+    module.rollout(*prompts(module), num_samples=2)  # pushes them again
+    assert vllm_logger.getEffectiveLevel() == logging.WARNING
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning("a warning to act on")
+    printed = "".join(capfd.readouterr())
+    assert "reset prefix cache" not in printed and " INFO " not in printed
+    assert "WARNING" in printed and "a warning to act on" in printed
+
+
+def test_a_vllm_log_level_the_user_chose_is_kept(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert log_level_option({}) == {"log_level": "WARNING"}
+    assert log_level_option({"log_level": "DEBUG"}) == {}
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    assert log_level_option({}) == {}
 
 
 def test_generation_options_vllm_cannot_honour_are_refused_when_the_module_is_built():
