@@ -14,6 +14,7 @@ correct for the difference (:mod:`lit_cancel.corrections`).
 """
 
 import importlib.util
+import logging
 import os
 import random
 import tempfile
@@ -58,6 +59,19 @@ def log_level_option(llm_kwargs: dict) -> dict:
     if "VLLM_LOGGING_LEVEL" in os.environ or {"log_level", "logging_config"} & set(llm_kwargs):
         return {}
     return {"log_level": "WARNING"}
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's ``RotaryEmbedding: Failed to load weights``, a warning at every weight push.
+
+    A rotary embedding's sin/cos table is computed from the configuration, it is no weight of the
+    policy's, and vLLM puts its own table back when none is pushed (the sampler's log-probs match the
+    trainer's after a push, tested). vLLM's other warnings pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = record.args[0] if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -238,6 +252,11 @@ class VLLMEngine(RolloutEngine):
         if self.kv_cache_memory_bytes is not None or not on_gpu:
             memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
         parameter_dtype = next(model.parameters()).dtype
+        logging_options = log_level_option(self.llm_kwargs)
+        if logging_options:  # the user left vLLM's logging to the engine
+            reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            if not any(isinstance(f, RotaryReloadFilter) for f in reload_logger.filters):
+                reload_logger.addFilter(RotaryReloadFilter())
         distributed = {}
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # every process runs its own engine on its own prompts: vLLM data parallelism in the trainer's processes
@@ -256,7 +275,7 @@ class VLLMEngine(RolloutEngine):
                 seed=0,
                 **memory,
                 **distributed,
-                **log_level_option(self.llm_kwargs),
+                **logging_options,
                 **self.llm_kwargs,
             )
 
