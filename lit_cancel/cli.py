@@ -188,7 +188,8 @@ class LitCancelCLI(LightningCLI):
 
     The subcommands are ``fit`` and ``validate`` (the held-out evaluation); the optimizer is the
     module's ``optimizer`` argument only. Parse and instantiation errors, a ``--ckpt_path`` that is
-    not a checkpoint of the config's kind, and data sizes that do not fit the trainer are raised as
+    not a checkpoint of the config's kind, data sizes that do not fit the trainer and an engine that
+    cannot serve the module (:meth:`~lit_cancel.engines.RolloutEngine.check`) are raised as
     :class:`ConfigError`, all before training or the first validation starts. Before ``fit`` starts
     from scratch (no ``--ckpt_path``), it validates once, so the held-out accuracy of the starting
     policy is logged at step 0. ``--trainer.enable_progress_bar=false`` drops a progress bar that the
@@ -274,9 +275,19 @@ class LitCancelCLI(LightningCLI):
                 "(strategy auto or ddp)"
             )
 
+    def check_engine(self) -> None:
+        """The rollout engine's own check (a vLLM KV cache too small for max_model_len), so that it fails before the engine starts."""
+        engine = getattr(self.model, "engine", None)
+        if engine is not None:
+            try:
+                engine.check(self.model)
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
+
     def before_validate(self) -> None:
         self.check_trainer()
         self.check_reward()
+        self.check_engine()
 
     def after_validate(self) -> None:
         """Prints the held-out metrics (the module logs them to its loggers itself, at the checkpoint's step)."""
@@ -291,6 +302,7 @@ class LitCancelCLI(LightningCLI):
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
         self.check_trainer()
         self.check_reward()
+        self.check_engine()
         ckpt_path = self.config.fit.get("ckpt_path")
         if isinstance(self.datamodule, RolloutDataModule):
             objective = getattr(self.model, "objective", None)

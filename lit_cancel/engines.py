@@ -68,6 +68,11 @@ class RolloutEngine(ABC):
         """Makes the engine sample from the module's current weights; returns the seconds it took."""
         return 0.0
 
+    def check(self, module) -> None:
+        """Raises ValueError, in one line naming the option to change, when the engine cannot serve the module as
+        configured; the CLI calls it at start-up, before the engine starts. Nothing to check by default."""
+        return None
+
 
 class HFGenerate(RolloutEngine):
     """Hugging Face ``generate`` on the policy, with the module's options and ``generation_kwargs``."""

@@ -14,6 +14,7 @@ correct for the difference (:mod:`lit_cancel.corrections`).
 """
 
 import importlib.util
+import logging
 import os
 import random
 import tempfile
@@ -34,6 +35,43 @@ INSTALL_HINT = (
 _VLLM_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "suppress_tokens": "logit_bias"}
 # vLLM clamps a logit bias to [-100, 100]; at -100 a token is never sampled from these logits in float32
 _SUPPRESSED = -100.0
+# the KV cache on a CPU when kv_cache_memory_bytes is None
+_CPU_KV_CACHE = 2**30
+# vLLM's CPU platform keeps keys and values in blocks of 128 tokens unless block_size is given (CpuPlatform.check_and_update_config)
+_CPU_BLOCK_SIZE = 128
+# with max_model_len None vLLM takes the smallest of these config values (ModelArchConfigConvertor.derive_max_model_len_and_key)
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE types whose factor vLLM does not apply to that length (_get_and_verify_max_len)
+_UNSCALED_ROPE = (None, "default", "llama3", "yarn")
+_ENGINE_KEY = "model.init_args.engine.init_args"
+
+
+def log_level_option(llm_kwargs: dict) -> dict:
+    """``{"log_level": "WARNING"}`` for ``vllm.LLM``, unless the user chose vLLM's logging.
+
+    vLLM logs at INFO by default: some 30 lines as the engine starts and three at every weight push
+    (``Successfully reset prefix cache``), none of them anything to act on. vLLM applies the level of
+    its ``LoggingConfig`` to the ``vllm`` logger and its handler when the engine starts (again in any
+    engine process it spawns), so a level set on the logger beforehand would be replaced. Warnings and
+    errors still show. ``VLLM_LOGGING_LEVEL`` in the environment, or ``log_level`` or ``logging_config``
+    in ``llm_kwargs``, are left to decide.
+    """
+    if "VLLM_LOGGING_LEVEL" in os.environ or {"log_level", "logging_config"} & set(llm_kwargs):
+        return {}
+    return {"log_level": "WARNING"}
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's ``RotaryEmbedding: Failed to load weights``, a warning at every weight push.
+
+    A rotary embedding's sin/cos table is computed from the configuration, it is no weight of the
+    policy's, and vLLM puts its own table back when none is pushed (the sampler's log-probs match the
+    trainer's after a push, tested). vLLM's other warnings pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = record.args[0] if isinstance(record.args, tuple) and record.args else ""
+        return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -90,7 +128,9 @@ class VLLMEngine(RolloutEngine):
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
     ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
-    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was.
+    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was. vLLM logs
+    warnings and errors only, unless ``VLLM_LOGGING_LEVEL`` or ``llm_kwargs`` says otherwise
+    (:func:`log_level_option`).
 
     Args:
         kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
@@ -135,8 +175,66 @@ class VLLMEngine(RolloutEngine):
         # the configuration and tokenizer vLLM starts from, removed with the engine
         self._folder: tempfile.TemporaryDirectory | None = None
 
+    def kv_cache_need(self, module) -> tuple[int, int, int, int] | None:
+        """What vLLM's KV cache must hold to start on a CPU: ``(bytes, max_model_len, bytes per token, block size)``.
+
+        vLLM refuses to start unless the cache holds one sequence of ``max_model_len`` tokens in whole
+        blocks besides one block its block pool keeps back: ``check_enough_kv_cache_memory`` in
+        ``vllm/v1/core/kv_cache_utils.py`` (with ``FullAttentionSpec.max_memory_usage_bytes`` and
+        ``_pool_bytes_per_block``), vLLM 0.32. A block holds keys and values of every layer:
+        ``layers * 2 * kv_heads * head_dim * dtype bytes`` per token. None where vLLM does not run on
+        its CPU platform, or the model or ``llm_kwargs`` make the cache another shape (sliding-window or
+        latent attention, mixed layer types, a KV-cache dtype, RoPE scaling); vLLM checks for itself there.
+        """
+        from vllm.platforms import current_platform
+
+        model = module.policy.model
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = model.config.get_text_config()
+        dtype = getattr(torch, self.dtype or str(next(model.parameters()).dtype).removeprefix("torch."), None)
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        heads = getattr(config, "num_attention_heads", None)
+        if (
+            not current_platform.is_cpu() or not isinstance(dtype, torch.dtype) or layer_types != {"full_attention"}
+            or getattr(config, "sliding_window", None) or getattr(config, "kv_lora_rank", None) or not heads
+            or getattr(config, "attention_chunk_size", None) or self.llm_kwargs.get("kv_cache_dtype", "auto") != "auto"
+            or "hf_overrides" in self.llm_kwargs
+        ):
+            return None
+        length = self.max_model_len
+        if length is None:
+            rope = getattr(config, "rope_parameters", None) or {}
+            lengths = [getattr(config, key) for key in _LENGTH_KEYS if isinstance(getattr(config, key, None), int)]
+            if rope.get("rope_type") not in _UNSCALED_ROPE or not lengths or getattr(config, "model_max_length", None):
+                return None
+            length = min(*lengths, module.tokenizer.model_max_length)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+        block = self.llm_kwargs.get("block_size") or _CPU_BLOCK_SIZE
+        return (-(-length // block) + 1) * block * per_token, length, per_token, block
+
+    def check(self, module) -> None:
+        """Raises ValueError when the KV cache cannot hold one sequence of ``max_model_len`` tokens (see :meth:`kv_cache_need`)."""
+        need = self.kv_cache_need(module)
+        budget = self.kv_cache_memory_bytes or _CPU_KV_CACHE
+        if need is None or budget >= need[0]:
+            return
+        needed, length, per_token, block = need
+        given = (f"{_ENGINE_KEY}.kv_cache_memory_bytes={budget}" if self.kv_cache_memory_bytes
+                 else f"the default KV cache of {budget} bytes ({_ENGINE_KEY}.kv_cache_memory_bytes unset)")
+        where = "" if self.max_model_len else " (the model's own: max_model_len is unset)"
+        size = f"{needed / 2**30:.4g} GiB" if needed >= 2**30 else f"{needed / 2**20:.4g} MiB"
+        raise ValueError(
+            f"{given} is too small for vLLM: one sequence of max_model_len={length} tokens{where} needs {needed} bytes "
+            f"({size}) of KV cache ({per_token} bytes a token, in blocks of {block} tokens, and one more "
+            f"block that vLLM keeps back); raise {_ENGINE_KEY}.kv_cache_memory_bytes to at least {needed}, or lower "
+            f"{_ENGINE_KEY}.max_model_len (to no less than the longest prompt plus max_new_tokens={module.max_new_tokens})"
+        )
+
     def build(self, module) -> None:
         """Starts vLLM on the policy's configuration and tokenizer, with placeholder weights (:meth:`sync` pushes the real ones)."""
+        self.check(module)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process to take weights
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
@@ -152,8 +250,13 @@ class VLLMEngine(RolloutEngine):
         module.tokenizer.save_pretrained(self._folder.name)
         memory = {"gpu_memory_utilization": self.gpu_memory_utilization}
         if self.kv_cache_memory_bytes is not None or not on_gpu:
-            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or 2**30}
+            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
         parameter_dtype = next(model.parameters()).dtype
+        logging_options = log_level_option(self.llm_kwargs)
+        if logging_options:  # the user left vLLM's logging to the engine
+            reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            if not any(isinstance(f, RotaryReloadFilter) for f in reload_logger.filters):
+                reload_logger.addFilter(RotaryReloadFilter())
         distributed = {}
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # every process runs its own engine on its own prompts: vLLM data parallelism in the trainer's processes
@@ -172,6 +275,7 @@ class VLLMEngine(RolloutEngine):
                 seed=0,
                 **memory,
                 **distributed,
+                **logging_options,
                 **self.llm_kwargs,
             )
 

@@ -8,7 +8,9 @@ tests run in their own pytest process, in an environment with the extra installe
 Without vLLM they are skipped.
 """
 
+import logging
 import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -21,15 +23,20 @@ from conftest import save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
-from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine  # noqa: E402
+from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
 from lit_cancel.cli import run_cli  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
+from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the engine's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
 KV_CACHE = 32 * 2**20
+# the tiny adder's keys and values in float32: 4 layers x 2 x 4 KV heads x 32 dimensions x 4 bytes = 4096 bytes a token;
+# vLLM needs one sequence of max_model_len tokens (unset: max_position_embeddings, 256) in blocks of 128 tokens on a
+# CPU (2 blocks), and one more block that its block pool keeps back
+TINY_ADDER_KV_CACHE_NEED = 4 * 2 * 4 * 32 * 4 * (2 + 1) * 128  # 1,572,864 bytes
 
 
 def vllm_module(**kwargs) -> RLModule:
@@ -137,6 +144,34 @@ def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy()
     assert all(torch.equal(p, base[n]) for n, p in module.policy.named_parameters() if "base_layer" in n)
 
 
+def test_vllm_prints_its_warnings_but_not_its_info_lines(monkeypatch, capfd):
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:  # vLLM's handler writes to the stdout of the test that started the first engine
+        if handler.name == "vllm":
+            monkeypatch.setattr(handler, "stream", sys.stdout)
+    module = vllm_module()
+    torch.manual_seed(6)
+    module.rollout(*prompts(module), num_samples=2)  # starts vLLM and pushes the weights
+    module.weights_version += 1
+    module.rollout(*prompts(module), num_samples=2)  # pushes them again
+    assert vllm_logger.getEffectiveLevel() == logging.WARNING
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_logger.warning("%s: Failed to load weights", "Linear")
+    printed = "".join(capfd.readouterr())
+    assert "reset prefix cache" not in printed and " INFO " not in printed
+    # the rotary embeddings' table is no weight of the policy's: vLLM's warning at every push is dropped, others show
+    assert "RotaryEmbedding: Failed to load weights" not in printed
+    assert "WARNING" in printed and "Linear: Failed to load weights" in printed
+
+
+def test_a_vllm_log_level_the_user_chose_is_kept(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert log_level_option({}) == {"log_level": "WARNING"}
+    assert log_level_option({"log_level": "DEBUG"}) == {}
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    assert log_level_option({}) == {}
+
+
 def test_generation_options_vllm_cannot_honour_are_refused_when_the_module_is_built():
     with pytest.raises(ValueError, match="VLLMEngine cannot honour 'no_repeat_ngram_size'"):
         vllm_module(generation_kwargs={"no_repeat_ngram_size": 3})
@@ -156,6 +191,52 @@ def test_training_steps_sync_the_engine_and_resume_resyncs_it(tmp_path):
     trainer = fit(resumed, 4, tmp_path, ckpt_path=str(tmp_path / "last.ckpt"))
     assert trainer.global_step == 4
     assert trainer.logged_metrics["rollout/logprob_mismatch_max"] < TOLERANCE
+
+
+def test_the_kv_cache_check_agrees_with_vllm_to_the_byte():
+    module = vllm_module()
+    assert module.engine.kv_cache_need(module) == (TINY_ADDER_KV_CACHE_NEED, 256, 4096, 128)
+    for budget, starts in [(TINY_ADDER_KV_CACHE_NEED - 1, False), (TINY_ADDER_KV_CACHE_NEED, True)]:
+        engine = module.engine = VLLMEngine(kv_cache_memory_bytes=budget)
+        if starts:
+            engine.check(module)
+            engine.build(module)
+            assert engine.llm is not None
+        else:
+            with pytest.raises(ValueError, match=f"kv_cache_memory_bytes={budget} is too small"):
+                engine.check(module)
+            engine.check = lambda module: None
+            with pytest.raises(ValueError, match="To serve at least one request"):  # vLLM's own refusal
+                engine.build(module)
+    # 100 tokens: one block, and the one vLLM keeps back (vLLM refuses 2**20 - 1 bytes and starts with 2**20)
+    short = VLLMEngine(kv_cache_memory_bytes=2**20, max_model_len=100)
+    assert short.kv_cache_need(module) == (2**20, 100, 4096, 128)
+    short.check(module)
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_vllm_starts(tmp_path, monkeypatch, capfd):
+    started = []
+    monkeypatch.setattr(VLLMEngine, "build", lambda self, module: started.append(module))
+    monkeypatch.setattr(sys, "argv", [
+        "lit-cancel", "fit", "--config", str(CONFIG), "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--model.init_args.engine.init_args.kv_cache_memory_bytes={TINY_ADDER_KV_CACHE_NEED - 1}",
+    ])
+    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 2 and started == []
+    # what precedes every run is left: transformers' bar as the policy loads (Lightning's start-up lines go to
+    # a handler that captures no file descriptor here)
+    lines = [line for line in capfd.readouterr().err.strip().splitlines() if not line.startswith("Loading weights")]
+    assert len(lines) <= 3, lines
+    assert lines[-2] == "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)"
+    assert lines[-1].startswith(
+        f"error: model.init_args.engine.init_args.kv_cache_memory_bytes={TINY_ADDER_KV_CACHE_NEED - 1} is too small for vLLM: "
+        f"one sequence of max_model_len=256 tokens (the model's own: max_model_len is unset) needs {TINY_ADDER_KV_CACHE_NEED} bytes"
+    )
+    assert f"raise model.init_args.engine.init_args.kv_cache_memory_bytes to at least {TINY_ADDER_KV_CACHE_NEED}" in lines[-1]
+    assert "or lower model.init_args.engine.init_args.max_model_len" in lines[-1] and "max_new_tokens=40" in lines[-1]
 
 
 @pytest.mark.slow
