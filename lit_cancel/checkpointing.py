@@ -95,8 +95,8 @@ class RunCheckpoint(ModelCheckpoint):
 
     With ``save_last`` (on by default), ``last.ckpt`` holds the final optimizer step when fit ends, whatever
     ``max_steps`` and the checkpoint and validation intervals are, and the step at which a run failed or was
-    stopped. SIGTERM and SIGUSR1 stop the run after its current step (``lit-cancel`` then exits with
-    128 + the signal's number and names the checkpoint to resume from). Files are written atomically
+    stopped. SIGTERM and SIGUSR1 stop the run after its current step, Ctrl-C (SIGINT) at once (``lit-cancel`` then
+    exits with 128 + the signal's number and names the checkpoint to resume from). Files are written atomically
     (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), and a write that
     fails stops the run with :class:`CheckpointWriteError`. Each checkpoint records its run's folder
     (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The ``lit-cancel`` command
@@ -194,27 +194,48 @@ class RunCheckpoint(ModelCheckpoint):
                                  "log_dir": getattr(logger, "log_dir", None)}
 
 
-def stop_report(trainer: "pl.Trainer") -> RunStopped:
-    """What stopped a run on a signal: the signal, the step, and the checkpoint to resume from."""
+# how a stop is named in its message: Ctrl-C sends SIGINT, which Python raises as KeyboardInterrupt
+_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)"}
+
+
+def stop_report(trainer: "pl.Trainer", number: signal.Signals | None = None) -> RunStopped:
+    """What stopped a run on a signal: the signal, the step, and the checkpoint to resume from.
+
+    ``number`` is the signal; by default the one :class:`RunCheckpoint` caught (SIGTERM when none did).
+    """
     checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, RunCheckpoint)), None)
-    number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
-    step = trainer.global_step
+    if number is None:
+        number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
+    name, step, exit_code = _SIGNAL_NAMES.get(number, number.name), trainer.global_step, 128 + number
+    if trainer.state.fn is None:
+        return RunStopped(f"stopped by {name} before the run started: nothing to resume", exit_code=exit_code)
     if trainer.state.fn != TrainerFn.FITTING:
-        return RunStopped(f"stopped by {number.name} during {trainer.state.fn.value}: nothing to resume", exit_code=128 + number)
-    stopped = f"stopped by {number.name} at step {step}"
+        return RunStopped(f"stopped by {name} during {trainer.state.fn.value}: nothing to resume", exit_code=exit_code)
+    stopped = f"stopped by {name} at step {step}"
     if checkpoint and checkpoint.write_error:
-        return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=128 + number)
+        return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=exit_code)
     if checkpoint and checkpoint.latest and checkpoint.latest[1] == step:
-        return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=128 + number)
+        return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=exit_code)
     if step == 0:
-        return RunStopped(f"{stopped}, before the first step: nothing to resume", exit_code=128 + number)
-    return RunStopped(f"{stopped}; no checkpoint holds it: the run keeps no last.ckpt (save_last)", exit_code=128 + number)
+        return RunStopped(f"{stopped}, before the first step: nothing to resume", exit_code=exit_code)
+    return RunStopped(f"{stopped}; no checkpoint holds it: the run keeps no last.ckpt (save_last)", exit_code=exit_code)
 
 
 @contextmanager
 def stops_reported(trainer: "pl.Trainer") -> Iterator[None]:
-    """Turns Lightning's ``SIGTERMException`` (which would exit with status 0) into :class:`RunStopped`."""
+    """Turns the ends of a run stopped by a signal into :class:`RunStopped`: Lightning's ``SIGTERMException`` (which
+    would exit with status 0), and its ``sys.exit(1)`` after Ctrl-C (a ``KeyboardInterrupt``, once the callbacks'
+    ``on_exception`` has saved the step). Lightning ignores SIGINT from a Ctrl-C on; the handler before is put back.
+    """
+    interrupt_handler = signal.getsignal(signal.SIGINT)
     try:
         yield
     except SIGTERMException as stop:
         raise stop_report(trainer) from stop
+    except SystemExit as stop:
+        if not isinstance(stop.__context__, KeyboardInterrupt):
+            raise
+        signal.signal(signal.SIGINT, interrupt_handler)
+        raise stop_report(trainer, signal.SIGINT) from stop.__context__
+    except KeyboardInterrupt as stop:  # outside Lightning's loops (the checks before fit)
+        raise stop_report(trainer, signal.SIGINT) from stop

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 import tempfile
 import warnings
@@ -342,7 +343,10 @@ def main() -> None:
         if command == ["export"]:
             export(sys.argv[2:])
             return
-        run_cli()
+        try:
+            run_cli()
+        except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it
+            raise RunStopped("stopped by Ctrl-C (SIGINT) before the run started: nothing to resume", 128 + signal.SIGINT) from stop
     except ConfigError as error:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -68,13 +69,18 @@ def test_last_ckpt_holds_the_final_step_between_checkpoint_intervals(tmp_path):
     assert stat.S_IMODE((checkpoints(tmp_path) / "last.ckpt").stat().st_mode) == 0o666 & ~umask  # as open() creates files
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop):
+def default_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt in the child even where this process ignores it (a shell's background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(("stop", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1"), (signal.SIGINT, r"Ctrl-C \(SIGINT\)")])
+def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop, name):
     config = write_config(tmp_path, max_steps=100_000)
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
     with open(tmp_path / "stderr.txt", "w") as errors:
         run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=errors)
+                               stdout=subprocess.DEVNULL, stderr=errors, preexec_fn=default_interrupt)
         last = checkpoints(tmp_path) / "last.ckpt"
         deadline = time.monotonic() + 120
         while not last.exists() and run.poll() is None and time.monotonic() < deadline:
@@ -84,10 +90,35 @@ def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_numbe
     stderr = (tmp_path / "stderr.txt").read_text()
     assert run.returncode == 128 + stop, stderr[-2000:]
     line = stderr.strip().splitlines()[-1]
-    said = re.fullmatch(rf"lit-cancel: stopped by {stop.name} at step (\d+); resume with --ckpt_path (.+)", line)
+    said = re.fullmatch(rf"lit-cancel: stopped by {name} at step (\d+); resume with --ckpt_path (.+)", line)
     assert said, line
     assert Path(said[2]).resolve() == last.resolve()
     assert saved_step(last) == int(said[1]) >= 1
+
+
+class CtrlCAtStep2(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_saves_the_step_it_stopped_at_and_exits_with_130(tmp_path, monkeypatch, capsys):
+    handler = signal.getsignal(signal.SIGINT)
+    config = str(write_config(tmp_path, max_steps=5, every_n_train_steps=100))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.CtrlCAtStep2")
+    last = checkpoints(tmp_path) / "last.ckpt"
+    assert (code, lines[-1]) == (130, f"lit-cancel: stopped by Ctrl-C (SIGINT) at step 2; resume with --ckpt_path {last}")
+    assert saved_step(last) == 2  # written as the run stopped: the checkpoint interval is 100 steps
+    assert signal.getsignal(signal.SIGINT) is handler  # Lightning ignores SIGINT after a Ctrl-C; the handler is back
+
+
+def test_ctrl_c_before_the_run_starts_says_there_is_nothing_to_resume(tmp_path, monkeypatch, capsys):
+    def load_causal_lm(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lit_cancel.module.load_causal_lm", load_causal_lm)
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)))
+    assert (code, lines[-1]) == (130, "lit-cancel: stopped by Ctrl-C (SIGINT) before the run started: nothing to resume")
 
 
 def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
