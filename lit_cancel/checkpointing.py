@@ -2,7 +2,9 @@
 
 import io
 import os
+import re
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -17,6 +19,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 # signals that stop a run after its current step: what Slurm and Kubernetes send to pre-empt a job,
@@ -49,11 +52,50 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+# AtomicCheckpointIO's temporary files: ".{target}.{PID}@{host}.{8 random characters}.tmp" (a host name has no "@")
+_TEMPORARY_FILE = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)\.[a-z0-9_]{8}\.tmp")
+
+
+def _host() -> str:
+    """This machine's name as it goes in a file name."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this number runs on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_abandoned_temporary_files(folder: _PATH) -> list[str]:
+    """Removes the temporary files that :class:`AtomicCheckpointIO` left in ``folder`` when its process was killed
+    mid-write (``kill -9``, the out-of-memory killer): those whose writer ran on this host and is no longer alive.
+    The file of a live writer (another run writing in the folder) and those written from other hosts are kept.
+    Returns the paths removed.
+    """
+    removed, host = [], _host()
+    with suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder):
+            named = _TEMPORARY_FILE.fullmatch(entry.name)
+            if named and named["host"] == host and int(named["pid"]) > 0 and not _alive(int(named["pid"])):
+                with suppress(FileNotFoundError):  # another process of this run removed it first
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that never leaves a partial file: it writes a temporary file in the target's folder,
     flushes it to disk and renames it over the target, so a failed write (a full disk, a lost mount) leaves the
-    previous checkpoint of that name as it was and no new file behind. Remote (fsspec) paths are written as
-    ``TorchCheckpointIO`` writes them.
+    previous checkpoint of that name as it was and no new file behind. The temporary file's name holds the
+    writer's PID and host (``.last.ckpt.4242@node7.x1b2c3d4.tmp``), so that a file left by a killed writer can
+    be told from one being written (:func:`remove_abandoned_temporary_files`). Remote (fsspec) paths are
+    written as ``TorchCheckpointIO`` writes them.
 
     Example::
 
@@ -70,7 +112,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, serialized)
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        writer = f"{os.getpid()}@{_host()}"
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{writer}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(descriptor, "wb") as file:
                 os.fchmod(file.fileno(), _new_file_mode())  # mkstemp's 0o600 would hide checkpoints from the user's group
@@ -97,8 +140,9 @@ class RunCheckpoint(ModelCheckpoint):
     ``max_steps`` and the checkpoint and validation intervals are, and the step at which a run failed or was
     stopped. SIGTERM and SIGUSR1 stop the run after its current step, Ctrl-C (SIGINT) at once (``lit-cancel`` then
     exits with 128 + the signal's number and names the checkpoint to resume from). Files are written atomically
-    (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), and a write that
-    fails stops the run with :class:`CheckpointWriteError`. Each checkpoint records its run's folder
+    (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), a write that
+    fails stops the run with :class:`CheckpointWriteError`, and the temporary files of writers killed
+    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). Each checkpoint records its run's folder
     (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The ``lit-cancel`` command
     uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
 
@@ -129,6 +173,9 @@ class RunCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.dirpath and _is_local_file_protocol(self.dirpath):
+            for path in remove_abandoned_temporary_files(self.dirpath):
+                rank_zero_info(f"removed {path}: the unfinished checkpoint of a process that no longer runs")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

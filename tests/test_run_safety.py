@@ -16,6 +16,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_cancel import cli
+from lit_cancel.checkpointing import _host
 from lit_cancel.cli import run_cli
 
 
@@ -139,6 +140,35 @@ def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_p
                          f"last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
     assert saved_step(folder / "last.ckpt") == 1
     assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no partial or temporary file
+
+
+def kill_9_during_a_write(path: Path) -> int:
+    """Runs AtomicCheckpointIO's write of ``path`` in a process killed with SIGKILL mid-write; returns its PID."""
+    writer = (f"import os, time\nfrom lit_cancel.checkpointing import AtomicCheckpointIO\nos.fsync = lambda descriptor: time.sleep(600)\n"
+              f"AtomicCheckpointIO().save_checkpoint({{'step': 1}}, {str(path)!r})\n")
+    run = subprocess.Popen([sys.executable, "-c", writer])
+    deadline = time.monotonic() + 60
+    while not list(path.parent.glob(f".{path.name}.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.kill()
+    run.wait()
+    return run.pid
+
+
+def test_a_write_killed_midway_leaves_a_temporary_file_that_the_next_run_removes_unless_its_writer_lives(tmp_path):
+    folder = tmp_path / "fixed"
+    folder.mkdir()
+    pid = kill_9_during_a_write(folder / "last.ckpt")
+    host = _host()  # the host name, with any character unfit for a file name replaced
+    [killed] = [path.name for path in folder.iterdir()]
+    assert re.fullmatch(rf"\.last\.ckpt\.{pid}@{re.escape(host)}\.[a-z0-9_]{{8}}\.tmp", killed)
+    kept = [f".last.ckpt.{os.getpid()}@{host}.abcd1234.tmp",  # a live writer: another run writing in the folder
+            f".last.ckpt.{pid}@elsewhere.abcd1234.tmp",  # another host's process, whose life cannot be told from here
+            ".last.ckpt.abcd1234.tmp", "notes.txt"]  # not a temporary file with its writer
+    for name in kept:
+        (folder / name).write_text("")
+    run_cli(["fit", "--config", str(write_config(tmp_path, max_steps=1, dirpath=str(folder)))])
+    assert sorted(path.name for path in folder.iterdir()) == sorted(["epoch=0-step=1.ckpt", "last.ckpt", *kept])
 
 
 def test_a_read_only_output_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
