@@ -35,14 +35,26 @@ class RunStopped(Exception):
         self.exit_code = exit_code
 
 
-class CheckpointWriteError(RunStopped):
-    """A checkpoint could not be written; the files written before are untouched."""
+def _plain(error: OSError) -> OSError:
+    """``error`` without its file name: a message names the folder once, not a temporary file."""
+    return OSError(error.errno, error.strerror) if error.filename else error
 
-    def __init__(self, folder: str, error: OSError, last_good: tuple[str, int] | None) -> None:
-        if error.filename:
-            error = OSError(error.errno, error.strerror)  # the folder is named once, without the temporary file
-        kept = f"last good checkpoint: {last_good[0]} (step {last_good[1]})" if last_good else "no checkpoint was written before"
-        super().__init__(f"could not write a checkpoint in {folder}: {error}; {kept}", exit_code=1)
+
+def _kept(last_good: tuple[str, int] | None) -> str:
+    return f"last good checkpoint: {last_good[0]} (step {last_good[1]})" if last_good else "no checkpoint was written before"
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written; the files written before are untouched.
+
+    ``step`` is the step whose checkpoint failed, where the run stops. The message is ``failure`` (the folder and
+    the OS error), the step, and ``kept`` (the last good checkpoint).
+    """
+
+    def __init__(self, folder: str, error: OSError, last_good: tuple[str, int] | None, step: int | None = None) -> None:
+        self.failure, self.kept, self.step = f"could not write a checkpoint in {folder}: {_plain(error)}", _kept(last_good), step
+        stopped = f"stopped at step {step}, " if step is not None else ""
+        super().__init__(f"{self.failure}; {stopped}{self.kept}", exit_code=1)
 
 
 def _new_file_mode() -> int:
@@ -222,7 +234,7 @@ class RunCheckpoint(ModelCheckpoint):
         try:
             super()._save_checkpoint(trainer, filepath)
         except OSError as error:
-            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest) from error
+            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest, trainer.global_step) from error
         self.latest = (filepath, trainer.global_step)
         if filepath == self.last_model_path:
             self._step_in_last = trainer.global_step
@@ -260,7 +272,7 @@ def stop_report(trainer: "pl.Trainer", number: signal.Signals | None = None) -> 
         return RunStopped(f"stopped by {name} during {trainer.state.fn.value}: nothing to resume", exit_code=exit_code)
     stopped = f"stopped by {name} at step {step}"
     if checkpoint and checkpoint.write_error:
-        return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=exit_code)
+        return RunStopped(f"{stopped}; {checkpoint.write_error.failure}; {checkpoint.write_error.kept}", exit_code=exit_code)
     if checkpoint and checkpoint.latest and checkpoint.latest[1] == step:
         return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=exit_code)
     if step == 0:
@@ -286,3 +298,4 @@ def stops_reported(trainer: "pl.Trainer") -> Iterator[None]:
         raise stop_report(trainer, signal.SIGINT) from stop.__context__
     except KeyboardInterrupt as stop:  # outside Lightning's loops (the checks before fit)
         raise stop_report(trainer, signal.SIGINT) from stop
+

@@ -1,5 +1,7 @@
 """During a run: the last step is saved, signals are told truthfully, checkpoints are written atomically, one run keeps one folder."""
 
+import errno
+import io
 import os
 import re
 import signal
@@ -137,7 +139,7 @@ def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_p
     folder = checkpoints(tmp_path)
     assert code == 1
     assert lines[-1] == (f"lit-cancel: could not write a checkpoint in {folder}: [Errno 28] No space left on device; "
-                         f"last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
+                         f"stopped at step 2, last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
     assert saved_step(folder / "last.ckpt") == 1
     assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no partial or temporary file
 
@@ -169,6 +171,79 @@ def test_a_write_killed_midway_leaves_a_temporary_file_that_the_next_run_removes
         (folder / name).write_text("")
     run_cli(["fit", "--config", str(write_config(tmp_path, max_steps=1, dirpath=str(folder)))])
     assert sorted(path.name for path in folder.iterdir()) == sorted(["epoch=0-step=1.ckpt", "last.ckpt", *kept])
+
+
+class FailingDisk:
+    """Writes under ``folder`` fail with ``error`` once ``failing`` is set: ENOSPC (a full disk; a write's error names
+    no file) or EROFS (a folder made read-only; the error names the file). Root ignores a folder's permissions, and
+    a test cannot count on mounting a small or read-only file system: the failures are those of ``io.open`` (with
+    which TensorBoard's event-writing thread appends) and ``os.open`` (with which a checkpoint's temporary file is
+    made) for writing."""
+
+    def __init__(self, monkeypatch, folder: Path, error: int):
+        self.folder, self.error, self.failing, self.failures = str(folder), error, False, 0
+        io_open, os_open = io.open, os.open
+
+        def open_for_io(file, mode="r", *args, **kwargs):
+            if set(mode) & set("wax+"):
+                self.check(file)
+            return io_open(file, mode, *args, **kwargs)
+
+        def open_for_os(path, flags, *args, **kwargs):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                self.check(path)
+            return os_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(io, "open", open_for_io)
+        monkeypatch.setattr(os, "open", open_for_os)
+
+    def check(self, path) -> None:
+        if self.failing and isinstance(path, str | bytes | os.PathLike) and os.fsdecode(path).startswith(self.folder):
+            self.failures += 1
+            raise OSError(self.error, os.strerror(self.error), *([path] if self.error == errno.EROFS else []))
+
+    def wait_for_a_failure(self) -> None:
+        """Until TensorBoard's thread has tried to write (it fails then, and the run hears of it at its next log call)."""
+        deadline = time.monotonic() + 30
+        while not self.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+DISK: FailingDisk | None = None
+
+
+class ReadOnlyFromStep3(L.Callback):
+    """The folder is made read-only as step 3 starts (the learning rate of step 3 is logged then); step 3 ends
+    once TensorBoard's thread has failed to write it, when the logs are in the folder."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        DISK.failing = trainer.global_step >= 2
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3 and DISK.folder.endswith("runs"):
+            DISK.wait_for_a_failure()
+
+
+@pytest.mark.parametrize("read_only", ["checkpoint folder"])
+def test_a_folder_made_read_only_mid_run_stops_it_in_one_line_naming_the_step_and_the_last_good_checkpoint(
+    tmp_path, monkeypatch, capsys, read_only
+):
+    global DISK
+    fixed = {"dirpath": str(tmp_path / "fixed")} if read_only == "checkpoint folder" else {}
+    folder = tmp_path / "fixed" if fixed else checkpoints(tmp_path)
+    DISK = FailingDisk(monkeypatch, folder if fixed else tmp_path / "runs", errno.EROFS)
+    config = str(write_config(tmp_path, max_steps=6, every_n_train_steps=2, **fixed))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.ReadOnlyFromStep3",
+                          "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor")
+    kept = f"last good checkpoint: {folder / 'last.ckpt'} (step 2)"
+    assert code == 1
+    if fixed:  # the logs are written; the checkpoint of step 4 is not
+        assert lines[-1] == f"lit-cancel: could not write a checkpoint in {folder}: [Errno 30] Read-only file system; stopped at step 4, {kept}"
+    else:  # the learning rate at step 3 is not written; nor is the checkpoint the run then tries for step 3
+        assert lines[-1] == f"lit-cancel: could not write the logs in {folder.parent}: [Errno 30] Read-only file system; stopped at step 3, {kept}"
+    assert not any("Traceback" in line for line in lines)
+    assert saved_step(folder / "last.ckpt") == 2
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
 
 
 def test_a_read_only_output_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
