@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit, presets
-from lit_cancel.checkpointing import RunStopped, stops_reported
+from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
@@ -236,6 +237,7 @@ class LitCancelCLI(LightningCLI):
             super().instantiate_classes()
         except Exception as error:
             raise ConfigError(explain(error)) from error
+        report_log_write_errors(self.trainer)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -243,6 +245,8 @@ class LitCancelCLI(LightningCLI):
             with stops_reported(self.trainer):
                 super()._run_subcommand(subcommand)
         except _RUN_ERRORS as error:
+            if logs := _log_write_error(self.trainer, error):
+                raise logs from error
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
@@ -276,6 +280,31 @@ class LitCancelCLI(LightningCLI):
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+
+
+def _log_write_error(trainer, error: BaseException) -> LogWriteError | None:
+    """A LogWriteError for an OSError naming a file in a logger's folder (a callback writing to ``logger.experiment``)."""
+    cause = os_error_in(error)
+    if cause is None or not cause.filename:
+        return None
+    written = Path(os.fsdecode(cause.filename)).resolve()
+    for logger in trainer.loggers:
+        folder = getattr(logger, "log_dir", None)
+        if folder and written.is_relative_to(Path(folder).resolve()):
+            return LogWriteError(log_folder(logger, cause), cause, trainer)
+    return None
+
+
+def _quiet_log_writer_threads(previous):
+    """A ``threading.excepthook`` that does not print the traceback of TensorBoard's event-writing thread when it
+    cannot write (a full disk): the run reports that error when it next logs."""
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    return hook
 
 
 def _class(class_path: str) -> type:
@@ -337,6 +366,9 @@ def export(argv: list[str]) -> None:
 def main() -> None:
     """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export`` and ``audit-objective``."""
     command = sys.argv[1:2]
+    excepthook = threading.excepthook
+    if os.environ.get(DEBUG_VARIABLE, "") in ("", "0"):
+        threading.excepthook = _quiet_log_writer_threads(excepthook)
     try:
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))
@@ -365,6 +397,8 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: {stop}\n")
         sys.exit(stop.exit_code)
+    finally:
+        threading.excepthook = excepthook
 
 
 if __name__ == "__main__":

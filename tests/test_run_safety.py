@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_cancel import cli
@@ -212,6 +213,57 @@ class FailingDisk:
 DISK: FailingDisk | None = None
 
 
+def test_a_full_disk_at_the_first_checkpoint_is_told_in_one_line_when_the_logs_cannot_be_flushed_either(tmp_path, monkeypatch, capsys):
+    fsync, finalize = os.fsync, TensorBoardLogger.finalize
+
+    def disk_full_at_checkpoints(descriptor):
+        if ".ckpt." in os.readlink(f"/proc/self/fd/{descriptor}"):  # a checkpoint's temporary file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(descriptor)
+
+    def flush_on_a_full_disk(self, status):
+        # TensorBoard's event-writing thread failed on the same disk: the flush at the end raises its error
+        if status == "failed":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        finalize(self, status)
+
+    monkeypatch.setattr(os, "fsync", disk_full_at_checkpoints)
+    monkeypatch.setattr(TensorBoardLogger, "finalize", flush_on_a_full_disk)
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path, max_steps=3)))
+    folder = checkpoints(tmp_path)
+    assert code == 1
+    assert lines[-1] == (f"lit-cancel: could not write a checkpoint in {folder}: [Errno 28] No space left on device; "
+                         "stopped at step 1, no checkpoint was written before")
+    assert list(folder.iterdir()) == []  # no partial or temporary file
+
+
+class DiskFullAfterStep2(L.Callback):
+    """The disk is full from the end of step 2, before the first checkpoint (step 3); step 3 starts once TensorBoard's
+    thread has failed to write the scalars of step 2."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        DISK.failing = trainer.global_step >= 2
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            DISK.wait_for_a_failure()
+
+
+def test_a_disk_full_before_the_first_checkpoint_stops_the_run_in_one_line_at_the_logs(tmp_path, monkeypatch, capsys):
+    global DISK
+    DISK = FailingDisk(monkeypatch, tmp_path / "runs", errno.ENOSPC)
+    config = str(write_config(tmp_path, max_steps=5, every_n_train_steps=3))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.DiskFullAfterStep2",
+                          "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor")
+    folder = checkpoints(tmp_path)
+    assert code == 1
+    assert lines[-1] == (f"lit-cancel: could not write the logs in {folder.parent}: [Errno 28] No space left on device; "
+                         "stopped at step 2, no checkpoint was written before")
+    assert not any("Traceback" in line for line in lines)  # nor that of TensorBoard's thread
+    assert list(folder.iterdir()) == []  # the checkpoint of step 2 tried on the way out left no file
+    assert scalar_steps(folder.parent, "rollout/reward_mean") == [0]  # the scalars of step 1 (logged at 0) are whole
+
+
 class ReadOnlyFromStep3(L.Callback):
     """The folder is made read-only as step 3 starts (the learning rate of step 3 is logged then); step 3 ends
     once TensorBoard's thread has failed to write it, when the logs are in the folder."""
@@ -224,7 +276,7 @@ class ReadOnlyFromStep3(L.Callback):
             DISK.wait_for_a_failure()
 
 
-@pytest.mark.parametrize("read_only", ["checkpoint folder"])
+@pytest.mark.parametrize("read_only", ["run folder", "checkpoint folder"])
 def test_a_folder_made_read_only_mid_run_stops_it_in_one_line_naming_the_step_and_the_last_good_checkpoint(
     tmp_path, monkeypatch, capsys, read_only
 ):
