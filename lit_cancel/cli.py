@@ -17,6 +17,7 @@ import tempfile
 import threading
 import warnings
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -193,6 +194,16 @@ class LitCancelCLI(LightningCLI):
     config lists among the callbacks.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        self.reserved_folder: Path | None = None  # the version_N folder prepare_run made for a new fit
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if self.reserved_folder is not None:
+                with suppress(OSError):
+                    self.reserved_folder.rmdir()  # only when empty: nothing was run in it
+            raise
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
@@ -225,7 +236,7 @@ class LitCancelCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             try:
-                prepare_run(self.config[subcommand], subcommand)
+                self.reserved_folder = prepare_run(self.config[subcommand], subcommand)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None

@@ -8,19 +8,23 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_cancel import cli
 from lit_cancel.checkpointing import _host
 from lit_cancel.cli import run_cli
+from lit_cancel.runs import reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -363,3 +367,54 @@ def test_a_new_run_in_a_folder_that_holds_one_is_refused_unless_overwrite(tmp_pa
     run_cli([*args, "--trainer.max_steps=3", "--overwrite=true"])
     assert saved_step(folder / "last.ckpt") == 3
     assert "last-v1.ckpt" not in {path.name for path in folder.iterdir()}
+
+
+def test_runs_that_list_the_folder_at_the_same_time_reserve_a_version_each(tmp_path, monkeypatch):
+    runs = tmp_path / "runs" / "tiny"
+    (runs / "version_3").mkdir(parents=True)
+    assert reserve_version(runs) == 4
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([]))  # each finds the folder as it was before any reserved
+    start = threading.Barrier(8)
+
+    def reserve() -> int:
+        start.wait()
+        return reserve_version(runs)
+
+    with ThreadPoolExecutor(8) as pool:
+        versions = list(pool.map(lambda _: reserve(), range(8)))
+    assert sorted(versions) == [0, 1, 2, 5, 6, 7, 8, 9]  # 3 and 4 were taken
+
+
+def test_a_fit_started_with_another_gets_its_own_version_folder(tmp_path, monkeypatch):
+    config = str(write_config(tmp_path, max_steps=1))
+    first = run_cli(["fit", "--config", config])
+    # a run started at the same time as the first finds no version folder yet, and Lightning would pick version 0
+    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)
+    second = run_cli(["fit", "--config", config])
+    assert [first.trainer.logger.log_dir, second.trainer.logger.log_dir] == [str(checkpoints(tmp_path, v).parent) for v in (0, 1)]
+    for version in (0, 1):
+        assert sorted(path.name for path in checkpoints(tmp_path, version).iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+        assert len(list(checkpoints(tmp_path, version).parent.glob("events.out.tfevents.*"))) == 2  # validation, fit
+
+
+def test_a_fit_refused_before_it_runs_leaves_no_version_folder(tmp_path, monkeypatch, capsys):
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), "--data.init_args.prompts_per_round=1000")
+    assert code == 2 and "fewer than prompts_per_round=1000" in lines[-1]
+    assert list((tmp_path / "runs" / "tiny").glob("version_*")) == []
+
+
+def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_take_it(tmp_path, monkeypatch):
+    def config() -> Namespace:
+        logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=None))
+        return Namespace(trainer=Namespace(logger=logger, callbacks=[]))
+
+    (tmp_path / "runs" / "tiny" / "version_0").mkdir(parents=True)
+    monkeypatch.delenv("LIT_CANCEL_RUN_FOLDER", raising=False)
+    first, other, started_otherwise = config(), config(), config()
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as Lightning, torchrun and Slurm start the processes of the other ranks
+    assert reserve_logger_version(started_otherwise) is None and started_otherwise.trainer.logger.init_args.version is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert reserve_logger_version(first) == tmp_path / "runs" / "tiny" / "version_1"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning starts them with the first process's environment
+    assert reserve_logger_version(other) is None and other.trainer.logger.init_args.version == 1
