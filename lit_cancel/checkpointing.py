@@ -170,13 +170,13 @@ class RunCheckpoint(ModelCheckpoint):
 
     With ``save_last`` (on by default), ``last.ckpt`` holds the final optimizer step when fit ends, whatever
     ``max_steps`` and the checkpoint and validation intervals are, and the step at which a run failed or was
-    stopped. SIGTERM and SIGUSR1 stop the run after its current step, Ctrl-C (SIGINT) at once (``lit-cancel`` then
-    exits with 128 + the signal's number and names the checkpoint to resume from). Files are written atomically
-    (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), a write that
-    fails stops the run with :class:`CheckpointWriteError`, and the temporary files of writers killed
-    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). Each checkpoint records its run's folder
-    (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The ``lit-cancel`` command
-    uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
+    stopped. SIGTERM and SIGUSR1 stop the run after its current step, Ctrl-C (SIGINT) at once (``lit-cancel``
+    then exits with 128 + the signal's number and names the checkpoint to resume from). Files are written
+    atomically (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), a write
+    that fails stops the run with :class:`CheckpointWriteError`, and the temporary files of writers killed
+    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). Each checkpoint
+    records its run's folder (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The
+    ``lit-cancel`` command uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
 
     Args:
         save_last: keep ``last.ckpt`` (``True``, the default) or not (``False``, ``None``); ``"link"`` is
