@@ -2,11 +2,13 @@
 
 import io
 import os
+import re
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +19,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 # signals that stop a run after its current step: what Slurm and Kubernetes send to pre-empt a job,
@@ -32,14 +35,46 @@ class RunStopped(Exception):
         self.exit_code = exit_code
 
 
-class CheckpointWriteError(RunStopped):
-    """A checkpoint could not be written; the files written before are untouched."""
+def _plain(error: OSError) -> OSError:
+    """``error`` without its file name: a message names the folder once, not a temporary file."""
+    return OSError(error.errno, error.strerror) if error.filename else error
 
-    def __init__(self, folder: str, error: OSError, last_good: tuple[str, int] | None) -> None:
-        if error.filename:
-            error = OSError(error.errno, error.strerror)  # the folder is named once, without the temporary file
-        kept = f"last good checkpoint: {last_good[0]} (step {last_good[1]})" if last_good else "no checkpoint was written before"
-        super().__init__(f"could not write a checkpoint in {folder}: {error}; {kept}", exit_code=1)
+
+def _kept(last_good: tuple[str, int] | None) -> str:
+    return f"last good checkpoint: {last_good[0]} (step {last_good[1]})" if last_good else "no checkpoint was written before"
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written; the files written before are untouched.
+
+    ``step`` is the step whose checkpoint failed, where the run stops. The message is ``failure`` (the folder and
+    the OS error), the step, and ``kept`` (the last good checkpoint).
+    """
+
+    def __init__(self, folder: str, error: OSError, last_good: tuple[str, int] | None, step: int | None = None) -> None:
+        self.failure, self.kept, self.step = f"could not write a checkpoint in {folder}: {_plain(error)}", _kept(last_good), step
+        stopped = f"stopped at step {step}, " if step is not None else ""
+        super().__init__(f"{self.failure}; {stopped}{self.kept}", exit_code=1)
+
+
+class LogWriteError(RunStopped):
+    """A logger could not write its files (a full disk, a folder made read-only): the run stops at the step it was at.
+
+    The message names the folder, the OS error, the step and the last good checkpoint, as the run's
+    :class:`RunCheckpoint` holds it when the message is read: after the error, the run still tries to
+    save the step it stopped at (its checkpoints may be on another disk).
+    """
+
+    def __init__(self, folder: str, error: OSError, trainer: "pl.Trainer") -> None:
+        self.failure = f"could not write the logs in {folder}: {_plain(error)}"
+        self.step, self.stage = trainer.global_step, trainer.state.fn
+        self.checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, RunCheckpoint)), None)
+        super().__init__(self.failure, exit_code=1)
+
+    def __str__(self) -> str:
+        if self.stage != TrainerFn.FITTING:
+            return f"{self.failure}; stopped during {self.stage.value if self.stage else 'start-up'}: nothing to resume"
+        return f"{self.failure}; stopped at step {self.step}, {_kept(self.checkpoint.latest if self.checkpoint else None)}"
 
 
 def _new_file_mode() -> int:
@@ -49,11 +84,50 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+# AtomicCheckpointIO's temporary files: ".{target}.{PID}@{host}.{8 random characters}.tmp" (a host name has no "@")
+_TEMPORARY_FILE = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)\.[a-z0-9_]{8}\.tmp")
+
+
+def _host() -> str:
+    """This machine's name as it goes in a file name."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this number runs on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_abandoned_temporary_files(folder: _PATH) -> list[str]:
+    """Removes the temporary files that :class:`AtomicCheckpointIO` left in ``folder`` when its process was killed
+    mid-write (``kill -9``, the out-of-memory killer): those whose writer ran on this host and is no longer alive.
+    The file of a live writer (another run writing in the folder) and those written from other hosts are kept.
+    Returns the paths removed.
+    """
+    removed, host = [], _host()
+    with suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder):
+            named = _TEMPORARY_FILE.fullmatch(entry.name)
+            if named and named["host"] == host and int(named["pid"]) > 0 and not _alive(int(named["pid"])):
+                with suppress(FileNotFoundError):  # another process of this run removed it first
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that never leaves a partial file: it writes a temporary file in the target's folder,
     flushes it to disk and renames it over the target, so a failed write (a full disk, a lost mount) leaves the
-    previous checkpoint of that name as it was and no new file behind. Remote (fsspec) paths are written as
-    ``TorchCheckpointIO`` writes them.
+    previous checkpoint of that name as it was and no new file behind. The temporary file's name holds the
+    writer's PID and host (``.last.ckpt.4242@node7.x1b2c3d4.tmp``), so that a file left by a killed writer can
+    be told from one being written (:func:`remove_abandoned_temporary_files`). Remote (fsspec) paths are
+    written as ``TorchCheckpointIO`` writes them.
 
     Example::
 
@@ -70,7 +144,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, serialized)
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        writer = f"{os.getpid()}@{_host()}"
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{writer}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(descriptor, "wb") as file:
                 os.fchmod(file.fileno(), _new_file_mode())  # mkstemp's 0o600 would hide checkpoints from the user's group
@@ -95,12 +170,13 @@ class RunCheckpoint(ModelCheckpoint):
 
     With ``save_last`` (on by default), ``last.ckpt`` holds the final optimizer step when fit ends, whatever
     ``max_steps`` and the checkpoint and validation intervals are, and the step at which a run failed or was
-    stopped. SIGTERM and SIGUSR1 stop the run after its current step (``lit-cancel`` then exits with
-    128 + the signal's number and names the checkpoint to resume from). Files are written atomically
-    (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), and a write that
-    fails stops the run with :class:`CheckpointWriteError`. Each checkpoint records its run's folder
-    (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The ``lit-cancel`` command
-    uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
+    stopped. SIGTERM and SIGUSR1 stop the run after its current step, Ctrl-C (SIGINT) at once (``lit-cancel``
+    then exits with 128 + the signal's number and names the checkpoint to resume from). Files are written
+    atomically (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), a write
+    that fails stops the run with :class:`CheckpointWriteError`, and the temporary files of writers killed
+    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). Each checkpoint
+    records its run's folder (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The
+    ``lit-cancel`` command uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
 
     Args:
         save_last: keep ``last.ckpt`` (``True``, the default) or not (``False``, ``None``); ``"link"`` is
@@ -129,6 +205,9 @@ class RunCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.dirpath and _is_local_file_protocol(self.dirpath):
+            for path in remove_abandoned_temporary_files(self.dirpath):
+                rank_zero_info(f"removed {path}: the unfinished checkpoint of a process that no longer runs")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -175,7 +254,7 @@ class RunCheckpoint(ModelCheckpoint):
         try:
             super()._save_checkpoint(trainer, filepath)
         except OSError as error:
-            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest) from error
+            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest, trainer.global_step) from error
         self.latest = (filepath, trainer.global_step)
         if filepath == self.last_model_path:
             self._step_in_last = trainer.global_step
@@ -194,27 +273,102 @@ class RunCheckpoint(ModelCheckpoint):
                                  "log_dir": getattr(logger, "log_dir", None)}
 
 
-def stop_report(trainer: "pl.Trainer") -> RunStopped:
-    """What stopped a run on a signal: the signal, the step, and the checkpoint to resume from."""
+# how a stop is named in its message: Ctrl-C sends SIGINT, which Python raises as KeyboardInterrupt
+_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)"}
+
+
+def stop_report(trainer: "pl.Trainer", number: signal.Signals | None = None) -> RunStopped:
+    """What stopped a run on a signal: the signal, the step, and the checkpoint to resume from.
+
+    ``number`` is the signal; by default the one :class:`RunCheckpoint` caught (SIGTERM when none did).
+    """
     checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, RunCheckpoint)), None)
-    number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
-    step = trainer.global_step
+    if number is None:
+        number = checkpoint.stop_signal if checkpoint and checkpoint.stop_signal else signal.SIGTERM
+    name, step, exit_code = _SIGNAL_NAMES.get(number, number.name), trainer.global_step, 128 + number
+    if trainer.state.fn is None:
+        return RunStopped(f"stopped by {name} before the run started: nothing to resume", exit_code=exit_code)
     if trainer.state.fn != TrainerFn.FITTING:
-        return RunStopped(f"stopped by {number.name} during {trainer.state.fn.value}: nothing to resume", exit_code=128 + number)
-    stopped = f"stopped by {number.name} at step {step}"
+        return RunStopped(f"stopped by {name} during {trainer.state.fn.value}: nothing to resume", exit_code=exit_code)
+    stopped = f"stopped by {name} at step {step}"
     if checkpoint and checkpoint.write_error:
-        return RunStopped(f"{stopped}; {checkpoint.write_error}", exit_code=128 + number)
+        return RunStopped(f"{stopped}; {checkpoint.write_error.failure}; {checkpoint.write_error.kept}", exit_code=exit_code)
     if checkpoint and checkpoint.latest and checkpoint.latest[1] == step:
-        return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=128 + number)
+        return RunStopped(f"{stopped}; resume with --ckpt_path {checkpoint.latest[0]}", exit_code=exit_code)
     if step == 0:
-        return RunStopped(f"{stopped}, before the first step: nothing to resume", exit_code=128 + number)
-    return RunStopped(f"{stopped}; no checkpoint holds it: the run keeps no last.ckpt (save_last)", exit_code=128 + number)
+        return RunStopped(f"{stopped}, before the first step: nothing to resume", exit_code=exit_code)
+    return RunStopped(f"{stopped}; no checkpoint holds it: the run keeps no last.ckpt (save_last)", exit_code=exit_code)
 
 
 @contextmanager
 def stops_reported(trainer: "pl.Trainer") -> Iterator[None]:
-    """Turns Lightning's ``SIGTERMException`` (which would exit with status 0) into :class:`RunStopped`."""
+    """Turns the ends of a run stopped by a signal into :class:`RunStopped`: Lightning's ``SIGTERMException`` (which
+    would exit with status 0), and its ``sys.exit(1)`` after Ctrl-C (a ``KeyboardInterrupt``, once the callbacks'
+    ``on_exception`` has saved the step). Lightning ignores SIGINT from a Ctrl-C on; the handler before is put back.
+    """
+    interrupt_handler = signal.getsignal(signal.SIGINT)
     try:
         yield
     except SIGTERMException as stop:
         raise stop_report(trainer) from stop
+    except SystemExit as stop:
+        if not isinstance(stop.__context__, KeyboardInterrupt):
+            raise
+        signal.signal(signal.SIGINT, interrupt_handler)
+        raise stop_report(trainer, signal.SIGINT) from stop.__context__
+    except KeyboardInterrupt as stop:  # outside Lightning's loops (the checks before fit)
+        raise stop_report(trainer, signal.SIGINT) from stop
+
+
+# the Logger methods that write files
+_LOGGER_WRITES = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The first ``OSError`` among ``error``, its cause and its context, and theirs (Lightning's TensorBoardLogger
+    raises a ``ValueError`` "you tried to log ..." from an event file it cannot write)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def log_folder(logger: Any, error: OSError | None = None) -> str:
+    """The folder a logger writes in: that of the file ``error`` names, else the logger's ``log_dir`` or ``save_dir``."""
+    if error is not None and error.filename:
+        return os.path.dirname(os.fsdecode(error.filename)) or "."
+    return str(getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None) or type(logger).__name__)
+
+
+def report_log_write_errors(trainer: "pl.Trainer") -> None:
+    """Makes the trainer's loggers raise :class:`LogWriteError` when they cannot write (an ``OSError``, however
+    wrapped), and keeps a logger's ``finalize("failed")``, called while an error stops the run, from replacing that
+    error with its own failure to write (the same full disk, most often).
+
+    A TensorBoard event file is written by a thread: its error reaches the run at the next log call.
+    """
+    for logger in trainer.loggers:
+        for name in _LOGGER_WRITES:
+            method = getattr(logger, name, None)
+            if callable(method) and not hasattr(method, "_reports_write_errors"):
+                setattr(logger, name, _reporting_write_errors(trainer, logger, name, method))
+
+
+def _reporting_write_errors(trainer: "pl.Trainer", logger: Any, name: str, method: Any) -> Any:
+    @wraps(method)
+    def write(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception as error:
+            cause = os_error_in(error)
+            if cause is None or isinstance(error, RunStopped):
+                raise
+            if name == "finalize" and (args[0] if args else kwargs.get("status")) != "success":
+                return None  # the error that stops the run is the one to tell; the logs end where they could be written
+            raise LogWriteError(log_folder(logger, cause), cause, trainer) from error
+
+    write._reports_write_errors = True
+    return write

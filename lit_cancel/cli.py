@@ -12,10 +12,13 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit, presets
-from lit_cancel.checkpointing import RunStopped, stops_reported
+from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
@@ -196,6 +199,16 @@ class LitCancelCLI(LightningCLI):
     config lists among the callbacks.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        self.reserved_folder: Path | None = None  # the version_N folder prepare_run made for a new fit
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if self.reserved_folder is not None:
+                with suppress(OSError):
+                    self.reserved_folder.rmdir()  # only when empty: nothing was run in it
+            raise
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
@@ -228,7 +241,7 @@ class LitCancelCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             try:
-                prepare_run(self.config[subcommand], subcommand)
+                self.reserved_folder = prepare_run(self.config[subcommand], subcommand)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -240,6 +253,7 @@ class LitCancelCLI(LightningCLI):
             super().instantiate_classes()
         except Exception as error:
             raise ConfigError(explain(error)) from error
+        report_log_write_errors(self.trainer)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
@@ -247,6 +261,8 @@ class LitCancelCLI(LightningCLI):
             with stops_reported(self.trainer):
                 super()._run_subcommand(subcommand)
         except _RUN_ERRORS as error:
+            if logs := _log_write_error(self.trainer, error):
+                raise logs from error
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
@@ -326,6 +342,31 @@ def cpu_has_native_bf16() -> bool | None:
     except OSError:
         return None
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags[1].split()))
+
+
+def _log_write_error(trainer, error: BaseException) -> LogWriteError | None:
+    """A LogWriteError for an OSError naming a file in a logger's folder (a callback writing to ``logger.experiment``)."""
+    cause = os_error_in(error)
+    if cause is None or not cause.filename:
+        return None
+    written = Path(os.fsdecode(cause.filename)).resolve()
+    for logger in trainer.loggers:
+        folder = getattr(logger, "log_dir", None)
+        if folder and written.is_relative_to(Path(folder).resolve()):
+            return LogWriteError(log_folder(logger, cause), cause, trainer)
+    return None
+
+
+def _quiet_log_writer_threads(previous):
+    """A ``threading.excepthook`` that does not print the traceback of TensorBoard's event-writing thread when it
+    cannot write (a full disk): the run reports that error when it next logs."""
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    return hook
 
 
 def _class(class_path: str) -> type:
@@ -410,13 +451,19 @@ def main() -> None:
     """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export`` and ``audit-objective``."""
     quiet_dependencies()
     command = sys.argv[1:2]
+    excepthook = threading.excepthook
+    if os.environ.get(DEBUG_VARIABLE, "") in ("", "0"):
+        threading.excepthook = _quiet_log_writer_threads(excepthook)
     try:
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))
         if command == ["export"]:
             export(sys.argv[2:])
             return
-        run_cli()
+        try:
+            run_cli()
+        except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it
+            raise RunStopped("stopped by Ctrl-C (SIGINT) before the run started: nothing to resume", 128 + signal.SIGINT) from stop
     except ConfigError as error:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
@@ -435,6 +482,8 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: {stop}\n")
         sys.exit(stop.exit_code)
+    finally:
+        threading.excepthook = excepthook
 
 
 if __name__ == "__main__":

@@ -14,15 +14,20 @@ from pathlib import Path
 
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.rank_zero import _get_rank
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 PLAIN_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
 OVERWRITE_OPTION = "--overwrite true"
+# the run folder reserved by the first process of a new fit, for the processes of its other ranks
+RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
 
 
-def prepare_run(config: Namespace, subcommand: str) -> None:
+def prepare_run(config: Namespace, subcommand: str) -> Path | None:
     """Readies the config of ``fit`` or ``validate`` for a run that keeps to its own folder.
 
     A plain ``ModelCheckpoint`` becomes :class:`~lit_cancel.checkpointing.RunCheckpoint` (same arguments);
@@ -30,6 +35,10 @@ def prepare_run(config: Namespace, subcommand: str) -> None:
     runs; a checkpoint's run folder is continued (its logger version); a new ``fit`` may not start in a
     folder that holds a run's checkpoints unless ``overwrite`` is set, which makes its checkpoints replace
     the files of the same name.
+
+    A new ``fit`` whose logger picks its version (``version: null``) gets its ``version_N`` folder now
+    (:func:`reserve_version`), so that runs started together in one folder get one each; the folder
+    reserved is returned (None when none was), to be removed by a caller that then runs nothing.
     """
     for callback in _checkpoint_callbacks(config).values():
         if callback.class_path == PLAIN_MODEL_CHECKPOINT:
@@ -39,11 +48,15 @@ def prepare_run(config: Namespace, subcommand: str) -> None:
         config.ckpt_path = newest_last_checkpoint(config)
     if config.get("ckpt_path"):
         continue_run_folder(config, config.ckpt_path)
-    elif subcommand == "fit" and config.get("overwrite"):
+        return None
+    if subcommand != "fit":
+        return None
+    if config.get("overwrite"):
         for callback in _checkpoint_callbacks(config).values():
             callback.init_args.enable_version_counter = False
-    elif subcommand == "fit":
+    else:
         refuse_used_folder(config)
+    return reserve_logger_version(config)
 
 
 def _checkpoint_callbacks(config: Namespace) -> dict[str, Namespace]:
@@ -65,6 +78,57 @@ def _logger(config: Namespace) -> Namespace | None:
     if init_args is not None and all(key in init_args for key in ("save_dir", "name", "version")):
         return init_args
     return None
+
+
+def _versioned_logger(config: Namespace) -> Namespace | None:
+    """The init_args of the config's first logger when it keeps each run in a local ``save_dir/name/version_N``
+    folder (TensorBoardLogger, CSVLogger) and picks N itself (``version: null``)."""
+    logger = config.trainer.get("logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    init_args = _logger(config)
+    if init_args is None or init_args.version is not None or not _is_local_file_protocol(str(init_args.save_dir or ".")):
+        return None
+    module, _, name = logger.class_path.rpartition(".")
+    return init_args if issubclass(getattr(importlib.import_module(module), name), (TensorBoardLogger, CSVLogger)) else None
+
+
+def reserve_version(runs: Path) -> int:
+    """Creates the next ``version_N`` folder in ``runs`` (as the logger numbers them: one above the highest) and
+    returns N. ``os.mkdir`` creates a folder for one process only: a run that finds it made by another run started
+    at the same time takes the next number."""
+    runs.mkdir(parents=True, exist_ok=True)
+    numbers = [int(found[1]) for path in runs.iterdir() if (found := re.fullmatch(r"version_(\d+)", path.name)) and path.is_dir()]
+    version = max(numbers, default=-1) + 1
+    while True:
+        try:
+            (runs / f"version_{version}").mkdir()
+            return version
+        except FileExistsError:
+            version += 1
+
+
+def reserve_logger_version(config: Namespace) -> Path | None:
+    """Sets the version of a logger that would pick it (see :func:`_versioned_logger`) to a ``version_N`` folder
+    reserved for this run, and returns the folder. Only the first process of a run reserves: the processes that
+    Lightning starts for the other ranks take its folder from ``LIT_CANCEL_RUN_FOLDER``; those started otherwise
+    (``torchrun``, Slurm) keep ``version: null``, and Lightning gives them rank 0's folder where it counts."""
+    logger = _versioned_logger(config)
+    if logger is None:
+        return None
+    runs = _runs_folder(logger)
+    if _get_rank() not in (None, 0):
+        # a process that Lightning started for another rank has the first one's environment
+        reserved = Path(os.environ.get(RUN_FOLDER_VARIABLE) or ".")
+        if (number := re.fullmatch(r"version_(\d+)", reserved.name)) and reserved.parent == runs.resolve():
+            logger.version = int(number[1])
+        return None
+    try:
+        logger.version = reserve_version(runs)
+    except OSError as error:
+        raise ValueError(f"trainer.logger.init_args.save_dir: cannot create a run folder in {runs} ({error.strerror})") from error
+    folder = runs / _version_folder(logger.version)
+    os.environ[RUN_FOLDER_VARIABLE] = str(folder.resolve())
+    return folder
 
 
 def _runs_folder(logger: Namespace) -> Path:

@@ -1,21 +1,30 @@
 """During a run: the last step is saved, signals are told truthfully, checkpoints are written atomically, one run keeps one folder."""
 
+import errno
+import io
 import os
 import re
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
+from jsonargparse import Namespace
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_cancel import cli
+from lit_cancel.checkpointing import _host
 from lit_cancel.cli import run_cli
+from lit_cancel.runs import reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -68,13 +77,19 @@ def test_last_ckpt_holds_the_final_step_between_checkpoint_intervals(tmp_path):
     assert stat.S_IMODE((checkpoints(tmp_path) / "last.ckpt").stat().st_mode) == 0o666 & ~umask  # as open() creates files
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop):
+def default_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt in the child even where this process ignores it (a shell's background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(("stop", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1"),
+                                            (signal.SIGINT, r"Ctrl-C \(SIGINT\)")])
+def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop, name):
     config = write_config(tmp_path, max_steps=100_000)
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
     with open(tmp_path / "stderr.txt", "w") as errors:
         run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=errors)
+                               stdout=subprocess.DEVNULL, stderr=errors, preexec_fn=default_interrupt)
         last = checkpoints(tmp_path) / "last.ckpt"
         deadline = time.monotonic() + 120
         while not last.exists() and run.poll() is None and time.monotonic() < deadline:
@@ -84,10 +99,35 @@ def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_numbe
     stderr = (tmp_path / "stderr.txt").read_text()
     assert run.returncode == 128 + stop, stderr[-2000:]
     line = stderr.strip().splitlines()[-1]
-    said = re.fullmatch(rf"lit-cancel: stopped by {stop.name} at step (\d+); resume with --ckpt_path (.+)", line)
+    said = re.fullmatch(rf"lit-cancel: stopped by {name} at step (\d+); resume with --ckpt_path (.+)", line)
     assert said, line
     assert Path(said[2]).resolve() == last.resolve()
     assert saved_step(last) == int(said[1]) >= 1
+
+
+class CtrlCAtStep2(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_saves_the_step_it_stopped_at_and_exits_with_130(tmp_path, monkeypatch, capsys):
+    handler = signal.getsignal(signal.SIGINT)
+    config = str(write_config(tmp_path, max_steps=5, every_n_train_steps=100))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.CtrlCAtStep2")
+    last = checkpoints(tmp_path) / "last.ckpt"
+    assert (code, lines[-1]) == (130, f"lit-cancel: stopped by Ctrl-C (SIGINT) at step 2; resume with --ckpt_path {last}")
+    assert saved_step(last) == 2  # written as the run stopped: the checkpoint interval is 100 steps
+    assert signal.getsignal(signal.SIGINT) is handler  # Lightning ignores SIGINT after a Ctrl-C; the handler is back
+
+
+def test_ctrl_c_before_the_run_starts_says_there_is_nothing_to_resume(tmp_path, monkeypatch, capsys):
+    def load_causal_lm(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lit_cancel.module.load_causal_lm", load_causal_lm)
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)))
+    assert (code, lines[-1]) == (130, "lit-cancel: stopped by Ctrl-C (SIGINT) before the run started: nothing to resume")
 
 
 def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
@@ -105,9 +145,163 @@ def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_p
     folder = checkpoints(tmp_path)
     assert code == 1
     assert lines[-1] == (f"lit-cancel: could not write a checkpoint in {folder}: [Errno 28] No space left on device; "
-                         f"last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
+                         f"stopped at step 2, last good checkpoint: {folder / 'epoch=0-step=2.ckpt'} (step 2)")
     assert saved_step(folder / "last.ckpt") == 1
     assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]  # no partial or temporary file
+
+
+def kill_9_during_a_write(path: Path) -> int:
+    """Runs AtomicCheckpointIO's write of ``path`` in a process killed with SIGKILL mid-write; returns its PID."""
+    writer = (f"import os, time\nfrom lit_cancel.checkpointing import AtomicCheckpointIO\nos.fsync = lambda descriptor: time.sleep(600)\n"
+              f"AtomicCheckpointIO().save_checkpoint({{'step': 1}}, {str(path)!r})\n")
+    run = subprocess.Popen([sys.executable, "-c", writer])
+    deadline = time.monotonic() + 60
+    while not list(path.parent.glob(f".{path.name}.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.kill()
+    run.wait()
+    return run.pid
+
+
+def test_a_write_killed_midway_leaves_a_temporary_file_that_the_next_run_removes_unless_its_writer_lives(tmp_path):
+    folder = tmp_path / "fixed"
+    folder.mkdir()
+    pid = kill_9_during_a_write(folder / "last.ckpt")
+    host = _host()  # the host name, with any character unfit for a file name replaced
+    [killed] = [path.name for path in folder.iterdir()]
+    assert re.fullmatch(rf"\.last\.ckpt\.{pid}@{re.escape(host)}\.[a-z0-9_]{{8}}\.tmp", killed)
+    kept = [f".last.ckpt.{os.getpid()}@{host}.abcd1234.tmp",  # a live writer: another run writing in the folder
+            f".last.ckpt.{pid}@elsewhere.abcd1234.tmp",  # another host's process, whose life cannot be told from here
+            ".last.ckpt.abcd1234.tmp", "notes.txt"]  # not a temporary file with its writer
+    for name in kept:
+        (folder / name).write_text("")
+    run_cli(["fit", "--config", str(write_config(tmp_path, max_steps=1, dirpath=str(folder)))])
+    assert sorted(path.name for path in folder.iterdir()) == sorted(["epoch=0-step=1.ckpt", "last.ckpt", *kept])
+
+
+class FailingDisk:
+    """Writes under ``folder`` fail with ``error`` once ``failing`` is set: ENOSPC (a full disk; a write's error names
+    no file) or EROFS (a folder made read-only; the error names the file). Root ignores a folder's permissions, and
+    a test cannot count on mounting a small or read-only file system: the failures are those of ``io.open`` (with
+    which TensorBoard's event-writing thread appends) and ``os.open`` (with which a checkpoint's temporary file is
+    made) for writing."""
+
+    def __init__(self, monkeypatch, folder: Path, error: int):
+        self.folder, self.error, self.failing, self.failures = str(folder), error, False, 0
+        io_open, os_open = io.open, os.open
+
+        def open_for_io(file, mode="r", *args, **kwargs):
+            if set(mode) & set("wax+"):
+                self.check(file)
+            return io_open(file, mode, *args, **kwargs)
+
+        def open_for_os(path, flags, *args, **kwargs):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                self.check(path)
+            return os_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(io, "open", open_for_io)
+        monkeypatch.setattr(os, "open", open_for_os)
+
+    def check(self, path) -> None:
+        if self.failing and isinstance(path, str | bytes | os.PathLike) and os.fsdecode(path).startswith(self.folder):
+            self.failures += 1
+            raise OSError(self.error, os.strerror(self.error), *([path] if self.error == errno.EROFS else []))
+
+    def wait_for_a_failure(self) -> None:
+        """Until TensorBoard's thread has tried to write (it fails then, and the run hears of it at its next log call)."""
+        deadline = time.monotonic() + 30
+        while not self.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+DISK: FailingDisk | None = None
+
+
+def test_a_full_disk_at_the_first_checkpoint_is_told_in_one_line_when_the_logs_cannot_be_flushed_either(tmp_path, monkeypatch, capsys):
+    fsync, finalize = os.fsync, TensorBoardLogger.finalize
+
+    def disk_full_at_checkpoints(descriptor):
+        if ".ckpt." in os.readlink(f"/proc/self/fd/{descriptor}"):  # a checkpoint's temporary file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(descriptor)
+
+    def flush_on_a_full_disk(self, status):
+        # TensorBoard's event-writing thread failed on the same disk: the flush at the end raises its error
+        if status == "failed":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        finalize(self, status)
+
+    monkeypatch.setattr(os, "fsync", disk_full_at_checkpoints)
+    monkeypatch.setattr(TensorBoardLogger, "finalize", flush_on_a_full_disk)
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path, max_steps=3)))
+    folder = checkpoints(tmp_path)
+    assert code == 1
+    assert lines[-1] == (f"lit-cancel: could not write a checkpoint in {folder}: [Errno 28] No space left on device; "
+                         "stopped at step 1, no checkpoint was written before")
+    assert list(folder.iterdir()) == []  # no partial or temporary file
+
+
+class DiskFullAfterStep2(L.Callback):
+    """The disk is full from the end of step 2, before the first checkpoint (step 3); step 3 starts once TensorBoard's
+    thread has failed to write the scalars of step 2."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        DISK.failing = trainer.global_step >= 2
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            DISK.wait_for_a_failure()
+
+
+def test_a_disk_full_before_the_first_checkpoint_stops_the_run_in_one_line_at_the_logs(tmp_path, monkeypatch, capsys):
+    global DISK
+    DISK = FailingDisk(monkeypatch, tmp_path / "runs", errno.ENOSPC)
+    config = str(write_config(tmp_path, max_steps=5, every_n_train_steps=3))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.DiskFullAfterStep2",
+                          "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor")
+    folder = checkpoints(tmp_path)
+    assert code == 1
+    assert lines[-1] == (f"lit-cancel: could not write the logs in {folder.parent}: [Errno 28] No space left on device; "
+                         "stopped at step 2, no checkpoint was written before")
+    assert not any("Traceback" in line for line in lines)  # nor that of TensorBoard's thread
+    assert list(folder.iterdir()) == []  # the checkpoint of step 2 tried on the way out left no file
+    assert scalar_steps(folder.parent, "rollout/reward_mean") == [0]  # the scalars of step 1 (logged at 0) are whole
+
+
+class ReadOnlyFromStep3(L.Callback):
+    """The folder is made read-only as step 3 starts (the learning rate of step 3 is logged then); step 3 ends
+    once TensorBoard's thread has failed to write it, when the logs are in the folder."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        DISK.failing = trainer.global_step >= 2
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3 and DISK.folder.endswith("runs"):
+            DISK.wait_for_a_failure()
+
+
+@pytest.mark.parametrize("read_only", ["run folder", "checkpoint folder"])
+def test_a_folder_made_read_only_mid_run_stops_it_in_one_line_naming_the_step_and_the_last_good_checkpoint(
+    tmp_path, monkeypatch, capsys, read_only
+):
+    global DISK
+    fixed = {"dirpath": str(tmp_path / "fixed")} if read_only == "checkpoint folder" else {}
+    folder = tmp_path / "fixed" if fixed else checkpoints(tmp_path)
+    DISK = FailingDisk(monkeypatch, folder if fixed else tmp_path / "runs", errno.EROFS)
+    config = str(write_config(tmp_path, max_steps=6, every_n_train_steps=2, **fixed))
+    code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.callbacks+=test_run_safety.ReadOnlyFromStep3",
+                          "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor")
+    kept = f"last good checkpoint: {folder / 'last.ckpt'} (step 2)"
+    assert code == 1
+    if fixed:  # the logs are written; the checkpoint of step 4 is not
+        failed = f"could not write a checkpoint in {folder}: [Errno 30] Read-only file system; stopped at step 4"
+    else:  # the learning rate at step 3 is not written; nor is the checkpoint the run then tries for step 3
+        failed = f"could not write the logs in {folder.parent}: [Errno 30] Read-only file system; stopped at step 3"
+    assert lines[-1] == f"lit-cancel: {failed}, {kept}"
+    assert not any("Traceback" in line for line in lines)
+    assert saved_step(folder / "last.ckpt") == 2
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
 
 
 def test_a_read_only_output_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
@@ -175,3 +369,54 @@ def test_a_new_run_in_a_folder_that_holds_one_is_refused_unless_overwrite(tmp_pa
     run_cli([*args, "--trainer.max_steps=3", "--overwrite=true"])
     assert saved_step(folder / "last.ckpt") == 3
     assert "last-v1.ckpt" not in {path.name for path in folder.iterdir()}
+
+
+def test_runs_that_list_the_folder_at_the_same_time_reserve_a_version_each(tmp_path, monkeypatch):
+    runs = tmp_path / "runs" / "tiny"
+    (runs / "version_3").mkdir(parents=True)
+    assert reserve_version(runs) == 4
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([]))  # each finds the folder as it was before any reserved
+    start = threading.Barrier(8)
+
+    def reserve() -> int:
+        start.wait()
+        return reserve_version(runs)
+
+    with ThreadPoolExecutor(8) as pool:
+        versions = list(pool.map(lambda _: reserve(), range(8)))
+    assert sorted(versions) == [0, 1, 2, 5, 6, 7, 8, 9]  # 3 and 4 were taken
+
+
+def test_a_fit_started_with_another_gets_its_own_version_folder(tmp_path, monkeypatch):
+    config = str(write_config(tmp_path, max_steps=1))
+    first = run_cli(["fit", "--config", config])
+    # a run started at the same time as the first finds no version folder yet, and Lightning would pick version 0
+    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)
+    second = run_cli(["fit", "--config", config])
+    assert [first.trainer.logger.log_dir, second.trainer.logger.log_dir] == [str(checkpoints(tmp_path, v).parent) for v in (0, 1)]
+    for version in (0, 1):
+        assert sorted(path.name for path in checkpoints(tmp_path, version).iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+        assert len(list(checkpoints(tmp_path, version).parent.glob("events.out.tfevents.*"))) == 2  # validation, fit
+
+
+def test_a_fit_refused_before_it_runs_leaves_no_version_folder(tmp_path, monkeypatch, capsys):
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), "--data.init_args.prompts_per_round=1000")
+    assert code == 2 and "fewer than prompts_per_round=1000" in lines[-1]
+    assert list((tmp_path / "runs" / "tiny").glob("version_*")) == []
+
+
+def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_take_it(tmp_path, monkeypatch):
+    def config() -> Namespace:
+        logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=None))
+        return Namespace(trainer=Namespace(logger=logger, callbacks=[]))
+
+    (tmp_path / "runs" / "tiny" / "version_0").mkdir(parents=True)
+    monkeypatch.delenv("LIT_CANCEL_RUN_FOLDER", raising=False)
+    first, other, started_otherwise = config(), config(), config()
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as Lightning, torchrun and Slurm start the processes of the other ranks
+    assert reserve_logger_version(started_otherwise) is None and started_otherwise.trainer.logger.init_args.version is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert reserve_logger_version(first) == tmp_path / "runs" / "tiny" / "version_1"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning starts them with the first process's environment
+    assert reserve_logger_version(other) is None and other.trainer.logger.init_args.version == 1
