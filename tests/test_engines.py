@@ -119,3 +119,30 @@ def test_the_vllm_engine_holds_its_own_weights_and_the_policy_engines_do_not():
     from lit_cancel.vllm_engine import VLLMEngine
 
     assert VLLMEngine.holds_weights and not DecodeLoop.holds_weights
+
+
+@pytest.mark.parametrize(("dtype", "parameters", "device", "expected"), [
+    (None, torch.float32, "cuda", "bfloat16"),   # bf16-mixed on a GPU: float32 parameters, vLLM in bfloat16
+    (None, torch.bfloat16, "cuda", "bfloat16"),
+    (None, torch.float16, "cuda", "float16"),
+    (None, torch.float32, "cpu", "float32"),     # on a CPU the parameters' dtype, as vLLM's CPU build runs it
+    (None, torch.bfloat16, "cpu", "bfloat16"),
+    ("float32", torch.float32, "cuda", "float32"),  # a dtype given is kept
+])
+def test_the_vllm_engine_dtype_is_bfloat16_on_a_gpu_and_the_parameters_on_a_cpu(dtype, parameters, device, expected):
+    from lit_cancel.vllm_engine import engine_dtype
+
+    assert engine_dtype(dtype, parameters, torch.device(device)) == expected
+
+
+def test_the_cuda_generators_vllm_seeds_are_put_back_when_cuda_is_initialised(monkeypatch):
+    from lit_cancel import vllm_engine
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["the run's CUDA state"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    before = torch.random.get_rng_state()
+    with vllm_engine._random_state_kept():
+        torch.manual_seed(0)
+    assert restored == [["the run's CUDA state"]] and torch.equal(torch.random.get_rng_state(), before)
