@@ -9,6 +9,7 @@ vLLM changes the process it runs in (see tests/test_vllm_engine.py), so run them
 
 import copy
 import importlib.util
+import json
 import os
 import subprocess
 from functools import partial
@@ -155,17 +156,23 @@ def test_resuming_on_a_gpu_from_step_1_gives_the_uninterrupted_step_2_weights(tm
 
 
 @needs_two_gpus
-def test_the_fsdp2_recipe_trains_on_every_visible_gpu(tmp_path, gsm8k_file, lit_cancel_script):
+def test_the_fsdp2_recipe_trains_on_every_visible_gpu(tmp_path, lit_cancel_script):
     gpus = torch.cuda.device_count()
     model = save_tiny_model(tmp_path / "model", hidden=128)
+    # the recipe's plan keeps groups whole: 2 prompts per process, one group per micro-batch (accumulate_grad_batches 2)
+    gsm8k_file = tmp_path / "gsm8k.jsonl"
+    gsm8k_file.write_text("".join(
+        json.dumps({"question": f"Tom has {a} apples and buys 2 more. How many now?", "answer": f"{a}+2={a + 2}.\n#### {a + 2}"}) + "\n"
+        for a in range(2 * gpus + 4)
+    ))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [lit_cancel_script, "fit", "--config", str(CONFIGS / "qwen2.5-1.5b-gsm8k-fsdp.yaml"), f"--trainer.devices={gpus}",
          f"--trainer.strategy.init_args.data_parallel_size={gpus}", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
          f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.init_args.model_path={model}",
          "--model.init_args.max_new_tokens=8", f"--data.init_args.task.init_args.train_file={gsm8k_file}",
-         f"--data.init_args.task.init_args.val_file={gsm8k_file}", f"--data.init_args.prompts_per_round={gpus}",
-         "--data.init_args.group_size=4", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward"],
+         f"--data.init_args.task.init_args.val_file={gsm8k_file}", f"--data.init_args.prompts_per_round={2 * gpus}",
+         "--data.init_args.group_size=2", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward"],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
