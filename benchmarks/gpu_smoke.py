@@ -8,7 +8,7 @@
 2. ``lit-cancel fit --config configs/qwen2.5-0.5b-gsm8k-vllm.yaml`` for ``--steps`` steps (20) on the model
    folder given, on GSM8K files given or on synthetic word problems it writes; one validation batch before it.
 3. A table read back from the run's TensorBoard files and from each process's memory counters: peak memory
-   per GPU, rollout and training tokens/s, weight-sync seconds (the first push includes vLLM's start-up).
+   per GPU, rollout and training tokens/s, weight-sync seconds per push.
 
 Further options go to ``lit-cancel fit`` (e.g. ``--trainer.devices=4`` with another ``--config``).
 """
@@ -110,11 +110,9 @@ def table(log_dir: Path, stats_dir: Path, wall: float) -> str:
     tokens, seconds = sum(r["train_tokens"] for r in ranks), max((r["train_seconds"] for r in ranks), default=0.0)
     if seconds:
         rows.append(("training tokens/s (prompt and completion, all GPUs)", f"{tokens / seconds:,.0f}"))
-    if syncs:
-        rows.append(("weight sync, first push (includes vLLM start-up)", f"{syncs[0]:.1f} s"))
-        later = [s for s in syncs[1:] if s > 0]
-        if later:
-            rows.append(("weight sync, median of later pushes", f"{statistics.median(later):.2f} s"))
+    pushes = [s for s in syncs if s > 0]  # vLLM starts at the validation before fit, whose push is not logged
+    if pushes:
+        rows.append((f"weight sync per push (median / max of {len(pushes)})", f"{statistics.median(pushes):.2f} / {max(pushes):.2f} s"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
