@@ -74,8 +74,9 @@ class RotaryReloadFilter(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors.
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors,
+    floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every weight it has to cast).
 
     A peft model's names lose their ``base_model.model.`` prefix and ``.base_layer``; each adapted
     layer's weight is its base weight plus the adapter's ``B A * scaling``; the adapters themselves
@@ -97,6 +98,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         if name in deltas:
             tensor = tensor + deltas[name].to(tensor.dtype)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         weights[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor.detach()
     return weights
 
@@ -302,13 +305,15 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             self.build(module)
         self._wake()
-        weights = merged_state_dict(module.policy.model)
+        weights = merged_state_dict(module.policy.model, self.llm.model_config.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
     def _wake(self) -> None:
         if self.sleeping:
+            if torch.cuda.is_initialized():  # training's freed memory stays in torch's cache: vLLM wakes into free memory
+                torch.cuda.empty_cache()
             self.llm.wake_up()
             self.sleeping = False
 

@@ -146,3 +146,23 @@ def test_the_cuda_generators_vllm_seeds_are_put_back_when_cuda_is_initialised(mo
     with vllm_engine._random_state_kept():
         torch.manual_seed(0)
     assert restored == [["the run's CUDA state"]] and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_weights_are_pushed_in_the_engines_dtype():
+    from lit_cancel.vllm_engine import merged_state_dict
+
+    model = torch.nn.Linear(2, 2)
+    assert {t.dtype for t in merged_state_dict(model).values()} == {torch.float32}
+    assert {t.dtype for t in merged_state_dict(model, torch.bfloat16).values()} == {torch.bfloat16}
+
+
+def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes(monkeypatch):
+    from lit_cancel.vllm_engine import VLLMEngine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM needed: a stand-in for its LLM
+    engine.llm, engine.sleeping = type("LLM", (), {"wake_up": lambda self: calls.append("wake_up")})(), True
+    engine._wake()
+    assert calls == ["empty_cache", "wake_up"] and not engine.sleeping
