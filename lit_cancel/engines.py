@@ -16,8 +16,11 @@ weights reports its sampling log-probs, so the objective can measure and correct
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from transformers import GenerationConfig
@@ -47,9 +50,25 @@ class RolloutEngine(ABC):
 
     Attributes:
         supported_options: the ``generation_kwargs`` the engine honours; None: every ``GenerationConfig`` option.
+        holds_weights: the engine keeps its own copy of the weights, in its own dtype (vLLM): it syncs and samples
+            with autocast off (:meth:`context`). False: it runs the policy, in the trainer's precision context.
     """
 
     supported_options: frozenset[str] | None = None
+    holds_weights: bool = False
+
+    @contextmanager
+    def context(self, module) -> Iterator[None]:
+        """What ``PolicyModule.rollout`` syncs and samples in. An engine that runs the policy keeps the trainer's
+        precision context (autocast under ``bf16-mixed``), the one old log-probs and the training step see, so the
+        first importance ratio of a step is exactly 1; an engine that holds its own weights gets autocast turned off
+        on the CPU and the module's device, so that it runs in its own dtype (and a LoRA merge for its push in the
+        weights' dtype)."""
+        if not self.holds_weights:
+            yield
+            return
+        with torch.autocast("cpu", enabled=False), torch.autocast(module.device.type, enabled=False):
+            yield
 
     @abstractmethod
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:

@@ -207,7 +207,7 @@ class PolicyModule(L.LightningModule):
         """Samples ``num_samples`` completions of each left-padded prompt with the engine, stopping at EOS."""
         was_training = self.policy.training
         self.policy.eval()
-        with gathered(self.policy):
+        with gathered(self.policy), self.engine.context(self):
             sync_seconds = 0.0
             if self.engine_version != self.weights_version:
                 sync_seconds = self.engine.sync(self)

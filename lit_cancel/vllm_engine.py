@@ -74,8 +74,9 @@ class RotaryReloadFilter(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors.
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors,
+    floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every weight it has to cast).
 
     A peft model's names lose their ``base_model.model.`` prefix and ``.base_layer``; each adapted
     layer's weight is its base weight plus the adapter's ``B A * scaling``; the adapters themselves
@@ -97,20 +98,37 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         if name in deltas:
             tensor = tensor + deltas[name].to(tensor.dtype)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         weights[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor.detach()
     return weights
 
 
+def engine_dtype(dtype: str | None, parameter_dtype: torch.dtype, device: torch.device) -> str:
+    """The dtype vLLM runs in: ``dtype`` when given; else on a CUDA device bfloat16 (the policy's parameters are
+    float32 under ``bf16-mixed``, and vLLM in float32 is slow and takes twice the memory) unless they are 16-bit
+    already; on a CPU the parameters' dtype."""
+    if dtype is not None:
+        return dtype
+    if device.type == "cuda" and parameter_dtype.itemsize > 2:
+        return "bfloat16"
+    return str(parameter_dtype).removeprefix("torch.")
+
+
 @contextmanager
 def _random_state_kept():
-    """vLLM seeds Python's, NumPy's and torch's global generators when it starts; the run's streams are kept."""
+    """vLLM seeds Python's, NumPy's and torch's global generators, CUDA's included, when it starts; the run's streams
+    are kept (CUDA's where CUDA is initialised already, as it is when training on a GPU)."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
 
 class VLLMEngine(RolloutEngine):
@@ -140,7 +158,10 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
             20-50 s there), compiled on a GPU.
         sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
-        dtype: the engine's dtype, e.g. ``bfloat16``. None: the policy's parameter dtype.
+        dtype: the engine's dtype, e.g. ``bfloat16``. None: on a GPU bfloat16 (float16 if the policy's parameters
+            are float16), on a CPU the policy's parameter dtype (:func:`engine_dtype`). Under ``bf16-mixed`` the
+            parameters are float32, so on a GPU the engine samples in bfloat16 while old log-probs are computed in
+            autocast: the difference shows in ``rollout/logprob_mismatch``.
         max_model_len: the longest prompt plus completion. None: the model's ``max_position_embeddings``.
         llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
 
@@ -150,6 +171,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     supported_options = frozenset(_VLLM_OPTIONS)
+    holds_weights = True
 
     def __init__(
         self,
@@ -191,7 +213,7 @@ class VLLMEngine(RolloutEngine):
         model = module.policy.model
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = model.config.get_text_config()
-        dtype = getattr(torch, self.dtype or str(next(model.parameters()).dtype).removeprefix("torch."), None)
+        dtype = getattr(torch, engine_dtype(self.dtype, next(model.parameters()).dtype, module.device), None)
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         heads = getattr(config, "num_attention_heads", None)
         if (
@@ -251,7 +273,6 @@ class VLLMEngine(RolloutEngine):
         memory = {"gpu_memory_utilization": self.gpu_memory_utilization}
         if self.kv_cache_memory_bytes is not None or not on_gpu:
             memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
-        parameter_dtype = next(model.parameters()).dtype
         logging_options = log_level_option(self.llm_kwargs)
         if logging_options:  # the user left vLLM's logging to the engine
             reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -267,7 +288,7 @@ class VLLMEngine(RolloutEngine):
             self.llm = LLM(
                 model=self._folder.name,
                 load_format="dummy",
-                dtype=self.dtype or str(parameter_dtype).removeprefix("torch."),
+                dtype=engine_dtype(self.dtype, next(model.parameters()).dtype, module.device),
                 enforce_eager=(not on_gpu) if self.enforce_eager is None else self.enforce_eager,
                 enable_sleep_mode=self.sleep_mode,
                 max_model_len=self.max_model_len,
@@ -284,13 +305,15 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             self.build(module)
         self._wake()
-        weights = merged_state_dict(module.policy.model)
+        weights = merged_state_dict(module.policy.model, self.llm.model_config.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
     def _wake(self) -> None:
         if self.sleeping:
+            if torch.cuda.is_initialized():  # training's freed memory stays in torch's cache: vLLM wakes into free memory
+                torch.cuda.empty_cache()
             self.llm.wake_up()
             self.sleeping = False
 

