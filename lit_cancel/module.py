@@ -314,7 +314,9 @@ def compile_decoder(root: ModelRoot) -> None:
         raise ValueError("model.init_args.compile: a sharded model's decoder is not compiled; use compile: false with this strategy")
     decoder = root.model.get_decoder()
     if getattr(decoder, "_compiled_call_impl", None) is None:
-        decoder.compile(dynamic=True)
+        # inductor's vectorised C++ kernels (torch 2.13) corrupted the heap with AVX-512 and gave NaN logits with AVX2
+        # on a decoder that ran with and then without its KV cache; scalar kernels decoded as fast (0.23 s vs 0.30 s)
+        decoder.compile(dynamic=True, options={"cpp.vec_isa_ok": False})
 
 
 class RLModule(PolicyModule):
