@@ -200,13 +200,13 @@ class LitCancelCLI(LightningCLI):
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        self.reserved_folder: Path | None = None  # the version_N folder prepare_run made for a new fit
+        self.reserved_folders: list[Path] = []  # the folders prepare_run made for a new fit, innermost first
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
-            if self.reserved_folder is not None:
+            for folder in self.reserved_folders:
                 with suppress(OSError):
-                    self.reserved_folder.rmdir()  # only when empty: nothing was run in it
+                    folder.rmdir()  # only when empty: nothing was run in it
             raise
 
     @staticmethod
@@ -241,7 +241,7 @@ class LitCancelCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             try:
-                self.reserved_folder = prepare_run(self.config[subcommand], subcommand)
+                self.reserved_folders = prepare_run(self.config[subcommand], subcommand)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None

@@ -27,7 +27,7 @@ OVERWRITE_OPTION = "--overwrite true"
 RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
 
 
-def prepare_run(config: Namespace, subcommand: str) -> Path | None:
+def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
     """Readies the config of ``fit`` or ``validate`` for a run that keeps to its own folder.
 
     A plain ``ModelCheckpoint`` becomes :class:`~lit_cancel.checkpointing.RunCheckpoint` (same arguments);
@@ -37,8 +37,8 @@ def prepare_run(config: Namespace, subcommand: str) -> Path | None:
     the files of the same name.
 
     A new ``fit`` whose logger picks its version (``version: null``) gets its ``version_N`` folder now
-    (:func:`reserve_version`), so that runs started together in one folder get one each; the folder
-    reserved is returned (None when none was), to be removed by a caller that then runs nothing.
+    (:func:`reserve_version`), so that runs started together in one folder get one each; the folders
+    made for it are returned, innermost first, for a caller that then runs nothing to remove.
     """
     for callback in _checkpoint_callbacks(config).values():
         if callback.class_path == PLAIN_MODEL_CHECKPOINT:
@@ -48,9 +48,9 @@ def prepare_run(config: Namespace, subcommand: str) -> Path | None:
         config.ckpt_path = newest_last_checkpoint(config)
     if config.get("ckpt_path"):
         continue_run_folder(config, config.ckpt_path)
-        return None
+        return []
     if subcommand != "fit":
-        return None
+        return []
     if config.get("overwrite"):
         for callback in _checkpoint_callbacks(config).values():
             callback.init_args.enable_version_counter = False
@@ -105,30 +105,33 @@ def reserve_version(runs: Path) -> int:
             return version
         except FileExistsError:
             version += 1
+        except FileNotFoundError:  # a refused run removed the empty folder it had made
+            runs.mkdir(parents=True, exist_ok=True)
 
 
-def reserve_logger_version(config: Namespace) -> Path | None:
+def reserve_logger_version(config: Namespace) -> list[Path]:
     """Sets the version of a logger that would pick it (see :func:`_versioned_logger`) to a ``version_N`` folder
-    reserved for this run, and returns the folder. Only the first process of a run reserves: the processes that
+    reserved for this run, and returns the folders it made, innermost first. Only the first process of a run reserves: the processes that
     Lightning starts for the other ranks take its folder from ``LIT_CANCEL_RUN_FOLDER``; those started otherwise
     (``torchrun``, Slurm) keep ``version: null``, and Lightning gives them rank 0's folder where it counts."""
     logger = _versioned_logger(config)
     if logger is None:
-        return None
+        return []
     runs = _runs_folder(logger)
     if _get_rank() not in (None, 0):
         # a process that Lightning started for another rank has the first one's environment
         reserved = Path(os.environ.get(RUN_FOLDER_VARIABLE) or ".")
         if (number := re.fullmatch(r"version_(\d+)", reserved.name)) and reserved.parent == runs.resolve():
             logger.version = int(number[1])
-        return None
+        return []
+    made = [folder for folder in [runs, *runs.parents] if not folder.exists()]
     try:
         logger.version = reserve_version(runs)
     except OSError as error:
         raise ValueError(f"trainer.logger.init_args.save_dir: cannot create a run folder in {runs} ({error.strerror})") from error
     folder = runs / _version_folder(logger.version)
     os.environ[RUN_FOLDER_VARIABLE] = str(folder.resolve())
-    return folder
+    return [folder, *made]
 
 
 def _runs_folder(logger: Namespace) -> Path:

@@ -415,8 +415,8 @@ def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_tak
     monkeypatch.delenv("LIT_CANCEL_RUN_FOLDER", raising=False)
     first, other, started_otherwise = config(), config(), config()
     monkeypatch.setenv("LOCAL_RANK", "1")  # as Lightning, torchrun and Slurm start the processes of the other ranks
-    assert reserve_logger_version(started_otherwise) is None and started_otherwise.trainer.logger.init_args.version is None
+    assert reserve_logger_version(started_otherwise) == [] and started_otherwise.trainer.logger.init_args.version is None
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert reserve_logger_version(first) == tmp_path / "runs" / "tiny" / "version_1"
+    assert reserve_logger_version(first) == [tmp_path / "runs" / "tiny" / "version_1"]  # the folders above it were there
     monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning starts them with the first process's environment
-    assert reserve_logger_version(other) is None and other.trainer.logger.init_args.version == 1
+    assert reserve_logger_version(other) == [] and other.trainer.logger.init_args.version == 1
