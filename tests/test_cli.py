@@ -323,6 +323,7 @@ def test_the_cpu_flags_decide_native_bf16(monkeypatch, tmp_path):
     assert cli.cpu_has_native_bf16() is None
 
 
+@pytest.mark.slow
 def test_a_run_prints_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script):
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
     result = subprocess.run([lit_cancel_script, *quick_args(tmp_path, 2)], capture_output=True, text=True, env=environment)
