@@ -439,6 +439,11 @@ def export(argv: list[str]) -> None:
     print(f"saved {args.output_dir}")
 
 
+def debugging() -> bool:
+    """Whether ``LIT_CANCEL_DEBUG`` asks for whole tracebacks instead of the one-line reports."""
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
 def quiet_dependencies() -> None:
     """Drops what the libraries under the command print on every run and that a user can do nothing about."""
     # Lightning 2.6 flattens every dataloader with torch's LeafSpec, which torch 2.13 deprecates in a FutureWarning
@@ -452,7 +457,7 @@ def main() -> None:
     quiet_dependencies()
     command = sys.argv[1:2]
     excepthook = threading.excepthook
-    if os.environ.get(DEBUG_VARIABLE, "") in ("", "0"):
+    if not debugging():
         threading.excepthook = _quiet_log_writer_threads(excepthook)
     try:
         if command == ["audit-objective"]:
@@ -465,12 +470,12 @@ def main() -> None:
         except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it
             raise RunStopped("stopped by Ctrl-C (SIGINT) before the run started: nothing to resume", 128 + signal.SIGINT) from stop
     except ConfigError as error:
-        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        if debugging():
             raise
         sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
         sys.exit(2)
     except RunError as error:
-        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        if debugging():
             raise
         saved = f"the last good step is in {error.checkpoint}" if error.checkpoint else "no checkpoint was written"
         sys.stderr.write(
@@ -478,7 +483,7 @@ def main() -> None:
         )
         sys.exit(1)
     except RunStopped as stop:
-        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        if debugging():
             raise
         sys.stderr.write(f"lit-cancel: {stop}\n")
         sys.exit(stop.exit_code)
