@@ -31,6 +31,8 @@ class RolloutBatch:
         ref_logprobs: ``[B, C]`` log-probs under the reference model, or None without a KL term.
         sampler_logprobs: ``[B, C]`` log-probs under the engine that sampled the rollouts (vLLM), or None
             when the policy sampled them itself; the objective measures and corrects the mismatch with it.
+        sampler_steps: ``[B]`` the optimizer step of the weights that sampled each row, for an engine whose
+            weights may lag the trainer's (rollout servers); None: sampled by the weights being trained.
         step_sequences: sequences in the optimizer step (all micro-batches and processes), divided
             by the number of micro-batches that Lightning and DDP average over; a loss normalised by
             it does not depend on how the step's rollouts are split.
@@ -49,6 +51,7 @@ class RolloutBatch:
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+    sampler_steps: Tensor | None = None
     step_sequences: float = 0.0
     step_tokens: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)

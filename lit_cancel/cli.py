@@ -42,7 +42,8 @@ from lit_cancel.sharding import shards
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
     "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
-    "'lit-cancel audit-objective' measures the learning tax of an objective. Add --help to either for its options."
+    "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
+    "for a config's model. Add --help to any of them for its options."
 )
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
@@ -453,7 +454,7 @@ def quiet_dependencies() -> None:
 
 
 def main() -> None:
-    """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export`` and ``audit-objective``."""
+    """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective`` and ``serve``."""
     quiet_dependencies()
     command = sys.argv[1:2]
     excepthook = threading.excepthook
@@ -465,6 +466,10 @@ def main() -> None:
         if command == ["export"]:
             export(sys.argv[2:])
             return
+        if command == ["serve"]:
+            from lit_cancel import vllm_server
+
+            sys.exit(vllm_server.main(sys.argv[2:]))
         try:
             run_cli()
         except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it

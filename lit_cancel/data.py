@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved
-from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups
+from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
 from lit_cancel.sharding import total_norm
 from lit_cancel.tasks import Record, Task
 
@@ -226,24 +226,44 @@ class RolloutDataModule(TaskDataModule):
     def _seed(self, *keys: int) -> int:
         return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63
 
-    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float, float]:
-        """Samples and scores one draw of prompts; returns the rollouts, the seconds spent sampling and syncing the engine."""
+    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+        """Samples and scores one draw of prompts; returns the rollouts, the seconds spent sampling and syncing the
+        engine, and the engine's statistics. An engine that samples ahead is first asked for the next draws."""
         trainer = self.trainer
+        module = trainer.lightning_module
+        for later in range(draw + 1, draw + 1 + module.engine.max_staleness):
+            self.prefetch(later, rounds_ahead=later - draw)
         records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
         return sample_groups(
-            trainer.lightning_module, self.task, records, self.group_size, seed=self._seed(draw),
+            module, self.task, records, self.group_size, seed=self._seed(draw),
             first_group=(draw * trainer.world_size + trainer.global_rank) * len(records), round_index=self.rounds_done,
             with_old_logprobs=with_old_logprobs,
         )
 
+    def prefetch(self, draw: int, rounds_ahead: int) -> None:
+        """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
+        before the one that trains it; that round is at most ``rounds_ahead`` after this one (a round takes one
+        draw or more)."""
+        trainer = self.trainer
+        engine = trainer.lightning_module.engine
+        prompts = self.encode_prompts(self.draw_records(draw, trainer.global_rank, trainer.world_size))
+        oldest_step = trainer.global_step + (rounds_ahead - engine.max_staleness) * self.steps_per_round
+        engine.prefetch(trainer.lightning_module, prompts["input_ids"], prompts["attention_mask"], self.group_size,
+                        self._seed(draw), max(oldest_step, 0))
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.mini_batches_per_round * self.epochs_per_round
+
     def sample_round(self, with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
         """This process's groups of the round, after dynamic sampling when it is on, and the round's statistics."""
         groups_needed = self.prompts_per_round // self.trainer.world_size
-        informative, uninformative, seconds, sync_seconds = [], [], 0.0, 0.0
+        informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
         for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent, synced = self.sample_groups(self.prompt_draws, with_old_logprobs)
+            draw, spent, synced, drawn_stats = self.sample_groups(self.prompt_draws, with_old_logprobs)
             self.prompt_draws += 1
             seconds, sync_seconds = seconds + spent, sync_seconds + synced
+            engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
             flat = draw.rewards.view(-1, self.group_size)
             varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
             informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
@@ -259,6 +279,8 @@ class RolloutDataModule(TaskDataModule):
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.tokenizer.eos_token_id)
+        engine = self.trainer.lightning_module.engine
+        stats |= engine_stats | staleness_stats(kept, self.trainer.global_step, self.steps_per_round, engine.max_staleness)
         self.warn_if_cannot_learn(stats)
         return kept, stats
 

@@ -18,7 +18,7 @@ weights reports its sampling log-probs, so the objective can measure and correct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -38,11 +38,16 @@ class Sampled:
         logprobs: ``[B * n, C]`` log-probability of each sampled token under the sampler's distribution
             (after temperature, top-k, top-p), 0 after the completion; None when the sampler is the policy itself.
         sync_seconds: seconds spent pushing the policy's weights to the engine before sampling.
+        steps: ``[B * n]`` the optimizer step of the weights that sampled each row, for an engine whose weights may
+            lag the trainer's (:class:`~lit_cancel.VLLMServerEngine`); None: the current weights.
+        stats: the engine's own statistics of the call (``perf/...``, ``rollout/...``), logged with the round's.
     """
 
     sequences: Tensor
     logprobs: Tensor | None = None
     sync_seconds: float = 0.0
+    steps: Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutEngine(ABC):
@@ -52,10 +57,13 @@ class RolloutEngine(ABC):
         supported_options: the ``generation_kwargs`` the engine honours; None: every ``GenerationConfig`` option.
         holds_weights: the engine keeps its own copy of the weights, in its own dtype (vLLM): it syncs and samples
             with autocast off (:meth:`context`). False: it runs the policy, in the trainer's precision context.
+        max_staleness: rounds of rollouts the engine may sample ahead of the trainer, with weights up to that many
+            rounds old (:meth:`prefetch`); 0: every round is sampled by the weights it trains.
     """
 
     supported_options: frozenset[str] | None = None
     holds_weights: bool = False
+    max_staleness: int = 0
 
     @contextmanager
     def context(self, module) -> Iterator[None]:
@@ -86,6 +94,15 @@ class RolloutEngine(ABC):
     def sync(self, module) -> float:
         """Makes the engine sample from the module's current weights; returns the seconds it took."""
         return 0.0
+
+    def prefetch(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, seed: int, oldest_step: int) -> None:
+        """Starts sampling, in the background, what :meth:`sample` will be asked for next under ``torch.manual_seed(seed)``,
+        with weights of optimizer step ``oldest_step`` or later. Called only when :attr:`max_staleness` is above 0."""
+        raise NotImplementedError(f"{type(self).__name__} samples on demand: its max_staleness is 0")
+
+    def close(self) -> None:
+        """Stops what the engine started (servers, threads); the engine starts again when next used."""
+        return None
 
     def check(self, module) -> None:
         """Raises ValueError, in one line naming the option to change, when the engine cannot serve the module as

@@ -1,7 +1,6 @@
 """LightningModules: a policy that samples and is validated, and the RL module that trains it."""
 
 import copy
-from dataclasses import dataclass
 from typing import Literal
 
 import lightning as L
@@ -10,10 +9,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, RolloutEngine
+from lit_cancel.generation import Generation, encode_completions, padded
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -21,48 +21,6 @@ from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
 from lit_cancel.rollouts import score
 from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
-
-
-@dataclass
-class Generation:
-    """Completions sampled for a batch of prompts; row ``i * n + k`` is sample ``k`` of prompt ``i``.
-
-    Attributes:
-        input_ids: ``[B * n, P + C]`` prompts (left-padded) followed by completions (right-padded).
-        attention_mask: ``[B * n, P + C]``.
-        completion_mask: ``[B * n, C]``, one up to and including the first EOS.
-        prompt_length: ``P``.
-        texts: decoded completions, special tokens removed.
-        sampler_logprobs: ``[B * n, C]`` each sampled token's log-prob under the engine that sampled it,
-            0 after the completion; None when the engine is the policy itself.
-        sync_seconds: seconds spent pushing weights to the engine before sampling.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    completion_mask: Tensor
-    prompt_length: int
-    texts: list[str]
-    sampler_logprobs: Tensor | None = None
-    sync_seconds: float = 0.0
-
-
-def encode_completions(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[Tensor, Tensor]:
-    """``(ids, mask)``, each ``[N, C]``: every text's tokens followed by EOS, right-padded."""
-    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts]
-    return _padded(pieces, tokenizer.pad_token_id, left=False)
-
-
-def _padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, Tensor]:
-    """``(ids, mask)``, each ``[N, W]``: token-id sequences padded on the left (prompts) or the right."""
-    width = max(map(len, pieces))
-    ids = torch.full((len(pieces), width), pad_id)
-    mask = torch.zeros((len(pieces), width), dtype=torch.long)
-    for row, piece in enumerate(pieces):
-        columns = slice(width - len(piece), width) if left else slice(0, len(piece))
-        ids[row, columns], mask[row, columns] = torch.tensor(piece, dtype=torch.long), 1
-    return ids, mask
-
 
 _SET_ELSEWHERE = {
     "do_sample": "greedy or not is chosen per call", "max_new_tokens": "use max_new_tokens",
@@ -215,23 +173,7 @@ class PolicyModule(L.LightningModule):
             sampled = self.engine.sample(self, input_ids, attention_mask, num_samples, greedy)
         self.policy.train(was_training)
 
-        prompt_length = input_ids.shape[1]
-        completions = sampled.sequences[:, prompt_length:]
-        is_eos = completions == self.tokenizer.eos_token_id
-        # one up to and including the first EOS
-        completion_mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-        completions = completions.masked_fill(~completion_mask, self.tokenizer.pad_token_id)
-        prompt_mask = attention_mask.repeat_interleave(num_samples, dim=0)
-        sampler_logprobs = None if sampled.logprobs is None else sampled.logprobs.masked_fill(~completion_mask, 0.0)
-        return Generation(
-            input_ids=torch.cat([sampled.sequences[:, :prompt_length], completions], dim=1),
-            attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
-            completion_mask=completion_mask.long(),
-            prompt_length=prompt_length,
-            texts=self.tokenizer.batch_decode(completions, skip_special_tokens=True),
-            sampler_logprobs=sampler_logprobs,
-            sync_seconds=sync_seconds,
-        )
+        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -403,11 +345,11 @@ class RLModule(PolicyModule):
             prompt = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             prompt_ids, prompt_mask = prompt["input_ids"], prompt["attention_mask"]
         else:
-            prompt_ids, prompt_mask = _padded([list(ids) for ids in prompts], self.tokenizer.pad_token_id, left=True)
+            prompt_ids, prompt_mask = padded([list(ids) for ids in prompts], self.tokenizer.pad_token_id, left=True)
         if all(isinstance(text, str) for text in completions):
             completion, mask = encode_completions(self.tokenizer, completions)
         else:
-            completion, mask = _padded([list(ids) for ids in completions], self.tokenizer.pad_token_id, left=False)
+            completion, mask = padded([list(ids) for ids in completions], self.tokenizer.pad_token_id, left=False)
         input_ids = torch.cat([prompt_ids, completion], 1).to(self.device)
         attention_mask = torch.cat([prompt_mask, mask], 1).to(self.device)
         logprobs = self.token_logprobs(input_ids, attention_mask, prompt_ids.shape[1])

@@ -72,9 +72,9 @@ def check_reward(task: Task) -> None:
 def sample_groups(
     module, task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int, round_index: int,
     with_old_logprobs: bool,
-) -> tuple[RolloutBatch, float, float]:
-    """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, and those spent
-    pushing weights to the engine before it (see :meth:`PolicyModule.rollout`).
+) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+    """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
+    pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
 
     Sampling is seeded by ``seed`` without touching the global random state. Rows ``i * G .. i * G
     + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
@@ -108,8 +108,25 @@ def sample_groups(
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
         sampler_logprobs=generation.sampler_logprobs,
+        sampler_steps=None if generation.sampler_steps is None else generation.sampler_steps.to(device),
     )
-    return batch, seconds - generation.sync_seconds, generation.sync_seconds
+    return batch, seconds - generation.sync_seconds, generation.sync_seconds, generation.stats
+
+
+def staleness_stats(batch: RolloutBatch, step: int, steps_per_round: int, max_staleness: int) -> dict[str, float]:
+    """``rollout/staleness`` (mean) and ``rollout/staleness_max``: rounds between the weights that sampled ``batch``'s
+    rows and the round that trains them, which starts at optimizer step ``step``; nothing for rollouts sampled by
+    the weights being trained. A row more than ``max_staleness`` rounds behind raises RuntimeError: the engine's
+    admission control should have kept it from being sampled."""
+    if batch.sampler_steps is None:
+        return {}
+    behind = (step - batch.sampler_steps.float()) / steps_per_round
+    if behind.max() > max_staleness or behind.min() < 0:
+        raise RuntimeError(
+            f"rollouts sampled by the weights of steps {sorted(set(batch.sampler_steps.tolist()))} reached the round that "
+            f"starts at step {step}, outside the {max_staleness} rounds of staleness allowed"
+        )
+    return {"rollout/staleness": behind.mean().item(), "rollout/staleness_max": behind.max().item()}
 
 
 def round_stats(

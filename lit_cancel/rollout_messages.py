@@ -1,0 +1,104 @@
+"""The message between the trainer and a rollout server: one group in, its completions and weights version out.
+
+A request is one prompt's whole group (``n`` samples in one request), so every member of a group is
+sampled by the same weights: the condition under which a token-level correction of stale rollouts
+keeps shared tokens cancelling. The trainer labels every weights version it pushes
+``"{run}/{step}"`` (the run's id and the optimizer step of the weights); the server reports, per
+completion, the labels of the weights that sampled its tokens. :func:`parse_result` refuses a
+completion whose tokens span two labels or whose label is not ``"{run}/{step}"`` of this run.
+
+In vLLM's terms the request is the body of ``POST /inference/v1/generate`` (token ids in, token ids
+and per-token log-probs out) and the label is the weights version set by ``POST /update_weight_version``.
+"""
+
+from dataclasses import dataclass
+
+
+class StaleRolloutError(RuntimeError):
+    """A server returned completions from weights this run did not push, or older than the request allows."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to sample: the module's options and the ``generation_kwargs`` the server honours, in vLLM's names."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    greedy: bool = False
+    extra: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """``num_samples`` completions of one prompt, seeded, from weights of step ``oldest_step`` or later."""
+
+    prompt_ids: tuple[int, ...]
+    num_samples: int
+    options: SamplingOptions
+    seed: int | None
+    oldest_step: int
+
+    def body(self) -> dict:
+        """The JSON body of vLLM's token-in/token-out generate route."""
+        options = self.options
+        params = {
+            "n": self.num_samples,
+            "temperature": 0.0 if options.greedy else options.temperature,
+            "top_p": 1.0 if options.greedy else options.top_p,
+            "max_tokens": options.max_new_tokens,
+            "stop_token_ids": list(options.stop_token_ids),
+            "detokenize": False,
+            **({} if options.greedy else {"logprobs": 0, "seed": self.seed}),
+            **dict(options.extra),
+        }
+        return {"token_ids": list(self.prompt_ids), "sampling_params": params}
+
+
+@dataclass
+class RolloutResult:
+    """The completions of one request, each with its sampled tokens' log-probs (None when greedy), and the step
+    of the weights that sampled them."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    step: int
+
+
+def version_label(run: str, step: int) -> str:
+    """The label the trainer gives the weights of optimizer step ``step`` of run ``run``."""
+    return f"{run}/{step}"
+
+
+def parse_result(response: dict, request: RolloutRequest, run: str, server: str) -> RolloutResult:
+    """The completions in a generate response, checked: ``num_samples`` of them, each sampled entirely by one version
+    of this run's weights, the same for all, of step ``request.oldest_step`` or later; else :class:`StaleRolloutError`."""
+    choices = sorted(response.get("choices", []), key=lambda choice: choice["index"])
+    if len(choices) != request.num_samples:
+        raise StaleRolloutError(f"{server} returned {len(choices)} completions for a request of {request.num_samples}")
+    labels = set()
+    for choice in choices:
+        spans = choice.get("weight_versions") or []
+        labels |= {span["version"] for span in spans}
+        if not spans and choice["token_ids"]:
+            raise StaleRolloutError(f"{server} does not report weights versions; it needs vLLM 0.32 or later")
+    if len(labels) != 1:
+        raise StaleRolloutError(
+            f"{server} sampled one group with weights {sorted(labels)}: a group must come from one weights version"
+        )
+    label = labels.pop()
+    prefix, _, step = label.rpartition("/")
+    if prefix != run or not step.isdigit():
+        raise StaleRolloutError(
+            f"{server} sampled with weights labelled {label!r}, which this run did not push (its versions are {run}/STEP)"
+        )
+    if int(step) < request.oldest_step:
+        raise StaleRolloutError(
+            f"{server} sampled with the weights of step {step}, older than step {request.oldest_step} that the request allows"
+        )
+    completions = [list(choice["token_ids"]) for choice in choices]
+    logprobs = None
+    if not request.options.greedy:
+        logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]
+    return RolloutResult(completions, logprobs, int(step))

@@ -1,0 +1,381 @@
+"""Rollouts from separate vLLM servers, with the weights pushed to them, synchronously or ahead of the trainer.
+
+:class:`VLLMServerEngine` sends each prompt's group as one request (:mod:`lit_cancel.rollout_messages`)
+to one of its servers (:mod:`lit_cancel.vllm_server`), spreading groups over the servers. After the
+policy changed, the next rollout first pushes its weights to every server as a new version, labelled
+with the run and the optimizer step; every completion comes back with the label of the weights that
+sampled it, and one that is not a version of this run, or older than allowed, is refused.
+
+With ``max_staleness: 0`` (synchronous) a round is sampled by exactly the weights it trains, as with
+the other engines. With ``max_staleness: k`` the datamodule asks for up to ``k`` later draws of
+prompts while the trainer trains (:meth:`prefetch`); a draw is sent only once the servers hold
+weights at most ``k`` rounds older than the round that will train it (admission control), so no
+rollout is trained more than ``k`` rounds after the weights that sampled it.
+"""
+
+import atexit
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+import torch
+from torch import Tensor
+
+from lit_cancel.engines import RolloutEngine, Sampled
+from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingOptions, StaleRolloutError, parse_result, version_label
+from lit_cancel.vllm_engine import _SUPPRESSED, _VLLM_OPTIONS, engine_dtype, merged_state_dict
+from lit_cancel.vllm_server import (
+    ServerClient,
+    ServerError,
+    free_port,
+    server_command,
+    start_server,
+    wait_until_healthy,
+)
+
+_ENGINE_KEY = "model.init_args.engine.init_args"
+
+
+def _in_background(function, *args) -> Future:
+    """``function(*args)`` in a daemon thread: a stopped trainer does not wait for a server's answer to exit."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to the thread that reads the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def write_weights(weights: dict[str, Tensor], folder: str) -> None:
+    """Writes ``weights`` as ``folder/model.safetensors``, whole or not at all (written aside, then renamed)."""
+    from safetensors.torch import save_file
+
+    seen, tensors = set(), {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.contiguous().clone() if storage in seen else tensor.contiguous()  # tied weights share one
+        seen.add(storage)
+    partial = f"{folder}.partial"
+    os.makedirs(partial, exist_ok=True)
+    save_file(tensors, os.path.join(partial, "model.safetensors"))
+    os.replace(partial, folder)
+
+
+def model_folder_for_config(config_path: str, folder: str) -> tuple[str, str, bool]:
+    """Writes the model of a fit config (``model.init_args.model_path``, ``dtype``) as a Hugging Face folder for a server;
+    returns the folder, the server's dtype and whether there is no GPU."""
+    import yaml
+
+    from lit_cancel.hub import load_causal_lm, load_tokenizer
+
+    with open(config_path) as file:
+        config = yaml.safe_load(file) or {}
+    arguments = (config.get("model") or {}).get("init_args") or {}
+    model_path = arguments.get("model_path", "embedded:tiny-adder")
+    model = load_causal_lm(model_path, dtype=arguments.get("dtype"))
+    model.save_pretrained(folder)
+    load_tokenizer(model_path, option="model_path").save_pretrained(folder)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return folder, engine_dtype(None, next(model.parameters()).dtype, device), device.type == "cpu"
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Samples rollouts and validation completions on vLLM servers, pushing the policy's weights to them.
+
+    Each prompt's ``group_size`` samples are one request, so a group always comes from one weights
+    version. Weights reach the servers as safetensors files in ``weights_dir``, which every server
+    must be able to read. Before sampling, a server that does not hold the current version (one that
+    restarted, or whose transfer stopped half-way) gets it first. A request whose server stops
+    answering is sent to another server; when none answers for ``server_timeout`` seconds the run
+    stops with an error naming the servers (the run's checkpoint callback saves ``last.ckpt``).
+
+    Logged each round: ``rollout/staleness`` and ``rollout/staleness_max`` (rounds between the weights
+    that sampled a group and the round that trains it), ``rollout/queue_depth`` (draws sampled ahead,
+    asynchronous mode), ``perf/trainer_wait_s`` (the trainer waiting for rollouts) and
+    ``perf/server_wait_s`` (a draw waiting for the weights it may be sampled with).
+
+    Args:
+        urls: the servers' base URLs, e.g. ``["http://10.0.0.5:8000"]``; started with ``lit-cancel serve``.
+        launch: start one server for the policy on 127.0.0.1 when the engine is first used, and stop it when
+            the trainer's process ends; with ``urls`` empty.
+        max_staleness: rounds the servers may sample ahead of the trainer; 0 is synchronous.
+        weights_dir: a folder the servers read the weights from; None: a temporary folder (servers on this machine).
+        server_cpus: CPU cores of the launched server (its process and threads); None: vLLM's own choice.
+        trainer_cpus: CPU cores the trainer's process keeps to when it launches a server, e.g. ``[0]`` beside
+            ``server_cpus: [1]``; None: unchanged.
+        request_timeout: seconds one request may take before its server counts as not answering.
+        server_timeout: seconds to wait for some server to answer before the run stops.
+        startup_timeout: seconds a launched server may take to start.
+        dtype: the launched server's dtype; None as :func:`~lit_cancel.vllm_engine.engine_dtype` chooses.
+        max_model_len: the launched server's longest prompt plus completion; None: the model's.
+        kv_cache_memory_bytes: the launched server's KV cache; None: 1 GiB without a GPU.
+        server_args: further command-line arguments of the launched server (``vllm serve``'s).
+
+    Example::
+
+        RLModule(engine=VLLMServerEngine(urls=["http://10.0.0.5:8000"], weights_dir="/shared/weights", max_staleness=1))
+    """
+
+    supported_options = frozenset(_VLLM_OPTIONS)
+    holds_weights = True
+
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        launch: bool = False,
+        max_staleness: int = 0,
+        weights_dir: str | None = None,
+        server_cpus: list[int] | None = None,
+        trainer_cpus: list[int] | None = None,
+        request_timeout: float = 600.0,
+        server_timeout: float = 120.0,
+        startup_timeout: float = 300.0,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        server_args: list[str] | None = None,
+    ):
+        self.urls = [url.rstrip("/") for url in urls or []]
+        if launch == bool(self.urls):
+            raise ValueError(f"{_ENGINE_KEY}: give the servers' urls, or launch: true to start one here (not both)")
+        if max_staleness < 0:
+            raise ValueError(f"{_ENGINE_KEY}.max_staleness must be >= 0 (0 is synchronous), got {max_staleness}")
+        timeouts = {"request_timeout": request_timeout, "server_timeout": server_timeout, "startup_timeout": startup_timeout}
+        for name, seconds in timeouts.items():
+            if seconds <= 0:
+                raise ValueError(f"{_ENGINE_KEY}.{name} must be > 0 seconds, got {seconds}")
+        if not launch and (server_cpus or trainer_cpus or server_args):
+            raise ValueError(f"{_ENGINE_KEY}: server_cpus, trainer_cpus and server_args are for a launched server (launch: true)")
+        self.launch, self.max_staleness, self.weights_dir = launch, max_staleness, weights_dir
+        self.server_cpus, self.trainer_cpus = server_cpus, trainer_cpus
+        self.request_timeout, self.server_timeout, self.startup_timeout = request_timeout, server_timeout, startup_timeout
+        self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
+        self.server_args = list(server_args or [])
+        self.clients: list[ServerClient] = []
+        self.process = None
+        self.run = ""
+        # the optimizer step of the weights on the servers, the folder holding them, and each server's label
+        self.step: int | None = None
+        self.folder: str | None = None
+        self.labels: dict[str, str] = {}
+        self.version_changed = threading.Condition()
+        self.ahead: dict[tuple, tuple[Future, float]] = {}
+        self.next_server = 0
+        self._temporary: list[str] = []
+
+    # start and stop
+
+    def check(self, module) -> None:
+        """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs."""
+        if self.launch and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError(f"{_ENGINE_KEY}.launch starts one server for one trainer process; with several, start servers "
+                             "with lit-cancel serve and give their urls")
+        for url in self.urls:
+            try:
+                ServerClient(url).check()
+            except ServerError as error:
+                raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
+
+    def start(self, module) -> None:
+        """Connects to the servers (launching one first with ``launch``); the run's id labels its weights versions."""
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        run = [uuid.uuid4().hex[:8]]
+        if distributed:
+            torch.distributed.broadcast_object_list(run, src=0)
+        self.run = run[0]
+        if self.weights_dir is None:
+            self.weights_dir = tempfile.mkdtemp(prefix="lit-cancel-weights-")
+            self._temporary.append(self.weights_dir)
+        os.makedirs(self.weights_dir, exist_ok=True)
+        if self.launch:
+            self.urls = [self._launch(module)]
+        self.clients = [ServerClient(url, self.request_timeout) for url in self.urls]
+        for client in self.clients:
+            client.check()
+        atexit.register(self.close)
+
+    def _launch(self, module) -> str:
+        folder = tempfile.mkdtemp(prefix="lit-cancel-server-")
+        self._temporary.append(folder)
+        model = module.policy.model
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        dtype = engine_dtype(self.dtype, next(model.parameters()).dtype, module.device)
+        config.save_pretrained(folder)
+        module.tokenizer.save_pretrained(folder)
+        write_weights(merged_state_dict(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
+        os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
+        on_cpu = module.device.type == "cpu"
+        kv_bytes = self.kv_cache_memory_bytes or (2**30 if on_cpu else None)
+        port = free_port()
+        command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, self.server_args)
+        log_path = os.path.join(folder, "server.log")
+        self.process = start_server(command, self.server_cpus, log_path)
+        if self.trainer_cpus:
+            os.sched_setaffinity(0, self.trainer_cpus)
+            torch.set_num_threads(len(self.trainer_cpus))
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(ServerClient(url), self.process, self.startup_timeout, log_path)
+        return url
+
+    def close(self) -> None:
+        with self.version_changed:
+            self.step, self.labels, self.ahead = None, {}, {}
+            self.version_changed.notify_all()
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(30)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                os.killpg(self.process.pid, 9)
+        self.process = None
+        if self.launch:
+            self.urls = []
+        for folder in self._temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._temporary, self.clients = [], []
+        if self.launch:
+            self.weights_dir = None
+
+    # weights
+
+    def sync(self, module) -> float:
+        started = time.perf_counter()
+        if not self.clients:
+            self.start(module)
+        step = module.trainer.global_step if module._trainer is not None else 0
+        weights = merged_state_dict(module.policy.model, getattr(torch, self._dtype(module)))  # every process: gathers shards
+        folder = os.path.join(self.weights_dir, version_label(self.run, step).replace("/", "-step-"))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            if not os.path.exists(folder):
+                write_weights(weights, folder)
+            for client in self.clients:
+                self._load(client, folder, version_label(self.run, step))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        previous = self.folder
+        with self.version_changed:
+            self.step, self.folder = step, folder
+            self.version_changed.notify_all()
+        if rank == 0 and previous not in (None, folder):
+            shutil.rmtree(previous, ignore_errors=True)
+        return time.perf_counter() - started
+
+    def _dtype(self, module) -> str:
+        return engine_dtype(self.dtype, next(module.policy.model.parameters()).dtype, module.device)
+
+    def _load(self, client: ServerClient, folder: str, label: str) -> None:
+        client.load_weights(folder, label)
+        self.labels[client.url] = label
+
+    def _current(self, client: ServerClient) -> None:
+        """Gives ``client`` the current weights unless it reports holding them (a restarted server does not)."""
+        label = version_label(self.run, self.step)
+        if self.labels.get(client.url) != label or client.label() != label:
+            self._load(client, self.folder, label)
+
+    # sampling
+
+    def _requests(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool, oldest_step: int):
+        options = {_VLLM_OPTIONS[k]: v for k, v in module.generation_kwargs.items()}
+        if "logit_bias" in options:
+            options["logit_bias"] = {str(int(token)): _SUPPRESSED for token in options["logit_bias"]}
+        sampling = SamplingOptions(
+            module.temperature, module.top_p, module.max_new_tokens, (module.tokenizer.eos_token_id,), greedy,
+            tuple(sorted((k, v if not isinstance(v, dict) else tuple(v.items())) for k, v in options.items())),
+        )
+        # as VLLMEngine: sample k of prompt i is seeded first_seed + i * n + k, drawn from torch's generator
+        first_seed = int(torch.randint(2**30, ()))
+        return tuple(
+            RolloutRequest(tuple(ids[mask.bool()].tolist()), num_samples, sampling, None if greedy else first_seed + i * num_samples,
+                           oldest_step)
+            for i, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu()))
+        )
+
+    def _generate(self, request: RolloutRequest) -> RolloutResult:
+        """One request's result from the first server that answers it with acceptable weights."""
+        deadline = time.monotonic() + self.server_timeout
+        errors: dict[str, str] = {}
+        while True:
+            with self.version_changed:
+                if self.step is None:
+                    raise ServerError("the engine was closed")
+                index = self.next_server = (self.next_server + 1) % len(self.clients)
+            client = self.clients[index]
+            try:
+                self._current(client)
+                return parse_result(client.generate(request), request, self.run, client.url)
+            except StaleRolloutError as error:
+                errors[client.url] = str(error)
+                self.labels.pop(client.url, None)  # pushed again before the next try
+            except ServerError as error:
+                errors[client.url] = str(error)
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"no vLLM server answered for {self.server_timeout:g} s ({_ENGINE_KEY}.server_timeout): "
+                    + "; ".join(errors.values())
+                )
+            time.sleep(random.uniform(0.5, 1.5))
+
+    def _draw(self, requests: tuple[RolloutRequest, ...]) -> tuple[list[RolloutResult], float]:
+        """The results of a draw's requests, sent once the servers hold weights of ``oldest_step`` or later; and the
+        seconds the draw waited for them."""
+        waited = time.perf_counter()
+        with self.version_changed:
+            self.version_changed.wait_for(lambda: self.step is None or self.step >= requests[0].oldest_step)
+        waited = time.perf_counter() - waited
+        futures = [_in_background(self._generate, request) for request in requests]
+        return [future.result() for future in futures], waited
+
+    def prefetch(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, seed: int, oldest_step: int) -> None:
+        if not self.clients:
+            self.start(module)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            requests = self._requests(module, input_ids, attention_mask, num_samples, False, oldest_step)
+        key = tuple((r.prompt_ids, r.seed) for r in requests)
+        if key not in self.ahead:
+            self.ahead[key] = (_in_background(self._draw, requests), time.perf_counter())
+
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        if self.step is None:  # closed since the last push
+            self.sync(module)
+        requests = self._requests(module, input_ids, attention_mask, num_samples, greedy, oldest_step=self.step)
+        key = tuple((r.prompt_ids, r.seed) for r in requests)
+        queued = sum(1 for k, (future, _) in self.ahead.items() if k != key)
+        started = time.perf_counter()
+        if not greedy and key in self.ahead:
+            future, _ = self.ahead.pop(key)
+            results, server_wait = future.result()
+        else:
+            results, server_wait = self._draw(requests)
+        stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait}
+        if self.max_staleness:
+            stats["rollout/queue_depth"] = float(queued)
+        return self._sampled(results, input_ids, num_samples, greedy, module.tokenizer.pad_token_id, stats)
+
+    @staticmethod
+    def _sampled(results: list[RolloutResult], input_ids: Tensor, num_samples: int, greedy: bool, pad_id: int, stats: dict) -> Sampled:
+        completions = [ids for result in results for ids in result.completion_ids]
+        width = max(1, max(map(len, completions)))
+        tokens = torch.full((len(completions), width), pad_id, dtype=input_ids.dtype)
+        logprobs = torch.zeros((len(completions), width))
+        for row, ids in enumerate(completions):
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
+        if not greedy:
+            flat = [values for result in results for values in result.logprobs]
+            for row, values in enumerate(flat):
+                logprobs[row, : len(values)] = torch.tensor(values)
+        steps = torch.tensor([result.step for result in results]).repeat_interleave(num_samples)
+        device = input_ids.device
+        sequences = torch.cat([input_ids.repeat_interleave(num_samples, dim=0), tokens.to(device)], dim=1)
+        return Sampled(sequences, None if greedy else logprobs.to(device), steps=steps, stats=stats)
