@@ -3,9 +3,9 @@
 A request is one prompt's whole group (``n`` samples in one request), so every member of a group is
 sampled by the same weights: the condition under which a token-level correction of stale rollouts
 keeps shared tokens cancelling. The trainer labels every weights version it pushes
-``"{run}/{step}"`` (the run's id and the optimizer step of the weights); the server reports, per
-completion, the labels of the weights that sampled its tokens. :func:`parse_result` refuses a
-completion whose tokens span two labels or whose label is not ``"{run}/{step}"`` of this run.
+``"{run}/{push}"`` (the run's id and a count of its pushes) and remembers the optimizer step of
+each; the server reports, per completion, the labels of the weights that sampled its tokens.
+:func:`parse_result` refuses a group whose tokens span two labels, or whose label this run did not push.
 
 In vLLM's terms the request is the body of ``POST /inference/v1/generate`` (token ids in, token ids
 and per-token log-probs out) and the label is the weights version set by ``POST /update_weight_version``.
@@ -66,14 +66,15 @@ class RolloutResult:
     step: int
 
 
-def version_label(run: str, step: int) -> str:
-    """The label the trainer gives the weights of optimizer step ``step`` of run ``run``."""
-    return f"{run}/{step}"
+def version_label(run: str, push: int) -> str:
+    """The label the trainer gives the weights of its ``push``-th push in run ``run``."""
+    return f"{run}/{push}"
 
 
-def parse_result(response: dict, request: RolloutRequest, run: str, server: str) -> RolloutResult:
+def parse_result(response: dict, request: RolloutRequest, pushed: dict[str, int], server: str) -> RolloutResult:
     """The completions in a generate response, checked: ``num_samples`` of them, each sampled entirely by one version
-    of this run's weights, the same for all, of step ``request.oldest_step`` or later; else :class:`StaleRolloutError`."""
+    of the weights ``pushed`` (label: optimizer step), the same for all, of step ``request.oldest_step`` or later;
+    else :class:`StaleRolloutError`."""
     choices = sorted(response.get("choices", []), key=lambda choice: choice["index"])
     if len(choices) != request.num_samples:
         raise StaleRolloutError(f"{server} returned {len(choices)} completions for a request of {request.num_samples}")
@@ -88,12 +89,10 @@ def parse_result(response: dict, request: RolloutRequest, run: str, server: str)
             f"{server} sampled one group with weights {sorted(labels)}: a group must come from one weights version"
         )
     label = labels.pop()
-    prefix, _, step = label.rpartition("/")
-    if prefix != run or not step.isdigit():
-        raise StaleRolloutError(
-            f"{server} sampled with weights labelled {label!r}, which this run did not push (its versions are {run}/STEP)"
-        )
-    if int(step) < request.oldest_step:
+    step = pushed.get(label)
+    if step is None:
+        raise StaleRolloutError(f"{server} sampled with weights labelled {label!r}, which this run did not push")
+    if step < request.oldest_step:
         raise StaleRolloutError(
             f"{server} sampled with the weights of step {step}, older than step {request.oldest_step} that the request allows"
         )
@@ -101,4 +100,4 @@ def parse_result(response: dict, request: RolloutRequest, run: str, server: str)
     logprobs = None
     if not request.options.greedy:
         logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]
-    return RolloutResult(completions, logprobs, int(step))
+    return RolloutResult(completions, logprobs, step)

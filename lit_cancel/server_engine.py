@@ -163,11 +163,14 @@ class VLLMServerEngine(RolloutEngine):
         self.clients: list[ServerClient] = []
         self.process = None
         self.run = ""
-        # the optimizer step of the weights on the servers, the folder holding them, and each server's label
+        # the optimizer step of the weights on the servers, their label and folder; each server's label; every label
+        # this run pushed, with its step
         self.step: int | None = None
-        self.folder: str | None = None
+        self.label, self.folder = "", None
         self.labels: dict[str, str] = {}
+        self.pushed: dict[str, int] = {}
         self.version_changed = threading.Condition()
+        self.closed = False
         self.ahead: dict[tuple, tuple[Future, float]] = {}
         self.next_server = 0
         self._temporary: list[str] = []
@@ -199,6 +202,7 @@ class VLLMServerEngine(RolloutEngine):
         if self.launch:
             self.urls = [self._launch(module)]
         self.clients = [ServerClient(url, self.request_timeout) for url in self.urls]
+        self.closed = False
         for client in self.clients:
             client.check()
         atexit.register(self.close)
@@ -228,7 +232,8 @@ class VLLMServerEngine(RolloutEngine):
 
     def close(self) -> None:
         with self.version_changed:
-            self.step, self.labels, self.ahead = None, {}, {}
+            self.closed = True
+            self.step, self.labels, self.pushed, self.ahead = None, {}, {}, {}
             self.version_changed.notify_all()
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 15)
@@ -253,18 +258,22 @@ class VLLMServerEngine(RolloutEngine):
             self.start(module)
         step = module.trainer.global_step if module._trainer is not None else 0
         weights = merged_state_dict(module.policy.model, getattr(torch, self._dtype(module)))  # every process: gathers shards
-        folder = os.path.join(self.weights_dir, version_label(self.run, step).replace("/", "-step-"))
+        label = version_label(self.run, len(self.pushed))
+        folder = os.path.join(self.weights_dir, label.replace("/", "-"))
+        self.pushed[label] = step
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
-            if not os.path.exists(folder):
-                write_weights(weights, folder)
+            write_weights(weights, folder)
             for client in self.clients:
-                self._load(client, folder, version_label(self.run, step))
+                try:
+                    self._load(client, folder, label)
+                except ServerError:  # a server that is down gets the weights when it answers again (_current)
+                    self.labels.pop(client.url, None)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         previous = self.folder
         with self.version_changed:
-            self.step, self.folder = step, folder
+            self.step, self.label, self.folder = step, label, folder
             self.version_changed.notify_all()
         if rank == 0 and previous not in (None, folder):
             shutil.rmtree(previous, ignore_errors=True)
@@ -279,9 +288,8 @@ class VLLMServerEngine(RolloutEngine):
 
     def _current(self, client: ServerClient) -> None:
         """Gives ``client`` the current weights unless it reports holding them (a restarted server does not)."""
-        label = version_label(self.run, self.step)
-        if self.labels.get(client.url) != label or client.label() != label:
-            self._load(client, self.folder, label)
+        if self.labels.get(client.url) != self.label or client.label() != self.label:
+            self._load(client, self.folder, self.label)
 
     # sampling
 
@@ -307,13 +315,13 @@ class VLLMServerEngine(RolloutEngine):
         errors: dict[str, str] = {}
         while True:
             with self.version_changed:
-                if self.step is None:
+                if self.closed:
                     raise ServerError("the engine was closed")
                 index = self.next_server = (self.next_server + 1) % len(self.clients)
             client = self.clients[index]
             try:
                 self._current(client)
-                return parse_result(client.generate(request), request, self.run, client.url)
+                return parse_result(client.generate(request), request, self.pushed, client.url)
             except StaleRolloutError as error:
                 errors[client.url] = str(error)
                 self.labels.pop(client.url, None)  # pushed again before the next try
@@ -331,7 +339,7 @@ class VLLMServerEngine(RolloutEngine):
         seconds the draw waited for them."""
         waited = time.perf_counter()
         with self.version_changed:
-            self.version_changed.wait_for(lambda: self.step is None or self.step >= requests[0].oldest_step)
+            self.version_changed.wait_for(lambda: self.closed or (self.step is not None and self.step >= requests[0].oldest_step))
         waited = time.perf_counter() - waited
         futures = [_in_background(self._generate, request) for request in requests]
         return [future.result() for future in futures], waited

