@@ -126,7 +126,8 @@ SCENARIOS: dict[str, dict] = {
     "shared tokens outside the clip range": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.15, shared_log_ratio=0.3),
     "sampler mismatch, equal lengths": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.0, shared_log_ratio=0.0, sampler_gap=0.3),
     # an asynchronous sampler some weights versions behind: its log-probs differ from the trainer's old (proximal) ones
-    # by up to 2 nats a token, past TokenTruncate's default bound (exp(2) > 3), and the step is off-policy too
+    # by up to 2 nats a token, past TokenTruncate's default bound (exp(2) > 3), and the step is off-policy too; with two
+    # versions, members 1 and 3 (reward 0) come from the second: neither version's advantages sum to zero on their own
     "stale, one version": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.15, shared_log_ratio=0.1, sampler_gap=2.0),
     "stale, two versions": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.15, shared_log_ratio=0.1, sampler_gap=2.0, versions=2),
 }
