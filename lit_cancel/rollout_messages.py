@@ -13,6 +13,9 @@ and per-token log-probs out) and the label is the weights version set by ``POST 
 
 from dataclasses import dataclass
 
+# the suffix of a label while the weights under it are being replaced
+LOADING = ":loading"
+
 
 class StaleRolloutError(RuntimeError):
     """A server returned completions from weights this run did not push, or older than the request allows."""
@@ -90,6 +93,8 @@ def parse_result(response: dict, request: RolloutRequest, pushed: dict[str, int]
         )
     label = labels.pop()
     step = pushed.get(label)
+    if label.endswith(LOADING):
+        raise StaleRolloutError(f"{server} sampled while its weights were being replaced (label {label!r}): a transfer did not complete")
     if step is None:
         raise StaleRolloutError(f"{server} sampled with weights labelled {label!r}, which this run did not push")
     if step < request.oldest_step:

@@ -163,15 +163,14 @@ class VLLMServerEngine(RolloutEngine):
         self.clients: list[ServerClient] = []
         self.process = None
         self.run = ""
-        # the optimizer step of the weights on the servers, their label and folder; each server's label; every label
-        # this run pushed, with its step
+        # the optimizer step of the weights on the servers, their label and folder; every label this run pushed, with its step
         self.step: int | None = None
         self.label, self.folder = "", None
-        self.labels: dict[str, str] = {}
         self.pushed: dict[str, int] = {}
         self.version_changed = threading.Condition()
         self.closed = False
-        self.ahead: dict[tuple, tuple[Future, float]] = {}
+        # draws sampled ahead, by their requests' prompts and seeds: the future result, and the oldest step allowed
+        self.ahead: dict[tuple, tuple[Future, int]] = {}
         self.next_server = 0
         self._temporary: list[str] = []
 
@@ -179,9 +178,6 @@ class VLLMServerEngine(RolloutEngine):
 
     def check(self, module) -> None:
         """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs."""
-        if self.launch and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise ValueError(f"{_ENGINE_KEY}.launch starts one server for one trainer process; with several, start servers "
-                             "with lit-cancel serve and give their urls")
         for url in self.urls:
             try:
                 ServerClient(url).check()
@@ -191,6 +187,9 @@ class VLLMServerEngine(RolloutEngine):
     def start(self, module) -> None:
         """Connects to the servers (launching one first with ``launch``); the run's id labels its weights versions."""
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if self.launch and distributed:
+            raise ValueError(f"{_ENGINE_KEY}.launch starts one server for one trainer process; with several, start servers "
+                             "with lit-cancel serve and give their urls")
         run = [uuid.uuid4().hex[:8]]
         if distributed:
             torch.distributed.broadcast_object_list(run, src=0)
@@ -233,7 +232,7 @@ class VLLMServerEngine(RolloutEngine):
     def close(self) -> None:
         with self.version_changed:
             self.closed = True
-            self.step, self.labels, self.pushed, self.ahead = None, {}, {}, {}
+            self.step, self.pushed, self.ahead = None, {}, {}
             self.version_changed.notify_all()
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 15)
@@ -256,6 +255,11 @@ class VLLMServerEngine(RolloutEngine):
         started = time.perf_counter()
         if not self.clients:
             self.start(module)
+        # draws the servers may sample with the weights they hold finish on them first (the trainer waits for them here,
+        # as the servers would, paused, until they finish): so every group of a draw comes from one weights version
+        for future, oldest_step in list(self.ahead.values()):
+            if self.step is not None and oldest_step <= self.step:
+                future.exception()
         step = module.trainer.global_step if module._trainer is not None else 0
         weights = merged_state_dict(module.policy.model, getattr(torch, self._dtype(module)))  # every process: gathers shards
         label = version_label(self.run, len(self.pushed))
@@ -266,9 +270,9 @@ class VLLMServerEngine(RolloutEngine):
             write_weights(weights, folder)
             for client in self.clients:
                 try:
-                    self._load(client, folder, label)
+                    client.load_weights(folder, label)
                 except ServerError:  # a server that is down gets the weights when it answers again (_current)
-                    self.labels.pop(client.url, None)
+                    pass
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         previous = self.folder
@@ -282,14 +286,10 @@ class VLLMServerEngine(RolloutEngine):
     def _dtype(self, module) -> str:
         return engine_dtype(self.dtype, next(module.policy.model.parameters()).dtype, module.device)
 
-    def _load(self, client: ServerClient, folder: str, label: str) -> None:
-        client.load_weights(folder, label)
-        self.labels[client.url] = label
-
     def _current(self, client: ServerClient) -> None:
         """Gives ``client`` the current weights unless it reports holding them (a restarted server does not)."""
-        if self.labels.get(client.url) != self.label or client.label() != self.label:
-            self._load(client, self.folder, self.label)
+        if client.label() != self.label:
+            client.load_weights(self.folder, self.label)
 
     # sampling
 
@@ -322,10 +322,7 @@ class VLLMServerEngine(RolloutEngine):
             try:
                 self._current(client)
                 return parse_result(client.generate(request), request, self.pushed, client.url)
-            except StaleRolloutError as error:
-                errors[client.url] = str(error)
-                self.labels.pop(client.url, None)  # pushed again before the next try
-            except ServerError as error:
+            except (StaleRolloutError, ServerError) as error:  # a stale server is pushed the weights before the next try
                 errors[client.url] = str(error)
             if time.monotonic() > deadline:
                 raise ServerError(
@@ -352,7 +349,7 @@ class VLLMServerEngine(RolloutEngine):
             requests = self._requests(module, input_ids, attention_mask, num_samples, False, oldest_step)
         key = tuple((r.prompt_ids, r.seed) for r in requests)
         if key not in self.ahead:
-            self.ahead[key] = (_in_background(self._draw, requests), time.perf_counter())
+            self.ahead[key] = (_in_background(self._draw, requests), oldest_step)
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
         if self.step is None:  # closed since the last push

@@ -17,6 +17,7 @@ The client needs no vLLM: a trainer can run in an environment without it.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -27,14 +28,14 @@ import time
 import urllib.error
 import urllib.request
 
-from lit_cancel.rollout_messages import RolloutRequest
+from lit_cancel.rollout_messages import LOADING, RolloutRequest
 
 # the routes a server must have, and what turns them on
 NEEDS = "vLLM's server with --enable-scale-out and VLLM_SERVER_DEV_MODE=1 (lit-cancel serve starts one so)"
 HOW_TO_START = "start one with: lit-cancel serve --config CONFIG --port PORT (or set the engine's launch: true)"
 
 
-class ServerError(RuntimeError):
+class ServerError(ConnectionError):
     """A server could not be reached, did not answer in time, or answered with an error."""
 
 
@@ -80,12 +81,15 @@ class ServerClient:
         """Replaces the server's weights by the safetensors files in ``folder`` and labels them ``label``."""
         self.call("/pause?mode=wait")
         try:
-            self.call("/update_weight_version", {"new_version": f"{label}:loading"})
+            self.call("/update_weight_version", {"new_version": f"{label}{LOADING}"})
             self.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
             self.call("/reset_prefix_cache")
             self.call("/update_weight_version", {"new_version": label})
-        finally:
-            self.call("/resume")
+        except ServerError:
+            with contextlib.suppress(ServerError):  # a server that died mid-transfer cannot resume: the first error tells
+                self.call("/resume")
+            raise
+        self.call("/resume")
 
     def check(self) -> None:
         """Raises ServerError in one line when the server is unreachable or lacks the routes the trainer needs."""
