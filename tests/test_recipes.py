@@ -4,6 +4,7 @@ the launchers start as many processes as the trainer expects, and the server con
 import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -121,6 +122,12 @@ def serve_options(arguments: list[str]):
 
 def option(arguments: list[str], name: str) -> str:
     return arguments[arguments.index(name) + 1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_the_scripts_are_valid_bash(script):
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS.values(), ids=SCRIPTS.keys())
