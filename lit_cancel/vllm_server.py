@@ -168,8 +168,8 @@ def _tail(log_path: str | None) -> str:
     return f"; the end of its log ({log_path}):\n" + "\n".join(lines) if lines else ""
 
 
-def main(argv: list[str]) -> int:
-    """``lit-cancel serve --config CONFIG``: a rollout server for the config's model, in the foreground."""
+def parser() -> argparse.ArgumentParser:
+    """The options of ``lit-cancel serve``; the arguments it does not know are passed on to vLLM's server."""
     parser = argparse.ArgumentParser(
         prog="lit-cancel serve", description="Start a vLLM rollout server for a config's model (VLLMServerEngine's urls)."
     )
@@ -180,7 +180,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus completion")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (1 GiB on a CPU when unset)")
     parser.add_argument("--dtype", default=None, help="the server's dtype; default: the model's (bfloat16 on a GPU)")
-    args, extra = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``lit-cancel serve --config CONFIG``: a rollout server for the config's model, in the foreground."""
+    args, extra = parser().parse_known_args(argv)
     from lit_cancel.server_engine import model_folder_for_config
 
     folder, dtype, on_cpu = model_folder_for_config(args.config, tempfile.mkdtemp(prefix="lit-cancel-serve-"))
