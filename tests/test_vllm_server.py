@@ -240,3 +240,30 @@ def test_a_run_stopped_with_rollouts_in_flight_exits_at_once_and_resumes_without
     assert trainer.global_step == 5 and trainer.datamodule.prompt_draws == 5
     resumed.engine.close()
     assert time.monotonic() - started < 600
+
+
+def test_the_server_scores_the_colocated_engines_completions_as_that_engine_did_after_a_push(server):
+    """Server and colocated vLLM hold the same weights after a push: the log-probs of the same completions agree."""
+    from lit_cancel import VLLMEngine  # last in this file: vLLM in this process changes it (torch.distributed, threads)
+
+    colocated = RLModule("embedded:tiny-adder", engine=VLLMEngine(kv_cache_memory_bytes=32 * 2**20), max_new_tokens=40)
+    served = server_module(server)
+    served.load_state_dict(colocated.state_dict())
+    for module in (colocated, served):
+        with torch.no_grad():
+            for parameter in module.policy.parameters():
+                parameter.mul_(0.8)
+        torch.manual_seed(0)
+        module.rollout(*prompts(module), num_samples=1)  # pushes the changed weights
+    torch.manual_seed(1)
+    generation = colocated.rollout(*prompts(colocated), num_samples=4)
+    client = ServerClient(server)
+    for row in range(len(generation.input_ids)):
+        tokens = generation.input_ids[row][generation.attention_mask[row].bool()].tolist()
+        completion_length = int(generation.completion_mask[row].sum())
+        body = {"token_ids": tokens, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}}
+        scored = client.call("/inference/v1/generate", body)["prompt_logprobs"][-completion_length:]
+        server_logprobs = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(scored, tokens[-completion_length:])])
+        colocated_logprobs = generation.sampler_logprobs[row, :completion_length]
+        assert (server_logprobs - colocated_logprobs).abs().max() < TOLERANCE
+    served.engine.close()
