@@ -173,6 +173,7 @@ class VLLMServerEngine(RolloutEngine):
         self.ahead: dict[tuple, tuple[Future, int]] = {}
         self.next_server = 0
         self._temporary: list[str] = []
+        self._trainer_placement: tuple[set[int], int] | None = None
 
     # start and stop
 
@@ -223,6 +224,7 @@ class VLLMServerEngine(RolloutEngine):
         log_path = os.path.join(folder, "server.log")
         self.process = start_server(command, self.server_cpus, log_path)
         if self.trainer_cpus:
+            self._trainer_placement = os.sched_getaffinity(0), torch.get_num_threads()
             os.sched_setaffinity(0, self.trainer_cpus)
             torch.set_num_threads(len(self.trainer_cpus))
         url = f"http://127.0.0.1:{port}"
@@ -241,6 +243,10 @@ class VLLMServerEngine(RolloutEngine):
             except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
                 os.killpg(self.process.pid, 9)
         self.process = None
+        if self._trainer_placement is not None:  # the process goes back to the cores and threads it had
+            os.sched_setaffinity(0, self._trainer_placement[0])
+            torch.set_num_threads(self._trainer_placement[1])
+            self._trainer_placement = None
         if self.launch:
             self.urls = []
         for folder in self._temporary:
