@@ -249,11 +249,11 @@ class VLLMServerEngine(RolloutEngine):
             self._trainer_placement = None
         if self.launch:
             self.urls = []
+        if self.weights_dir in self._temporary:
+            self.weights_dir = None
         for folder in self._temporary:
             shutil.rmtree(folder, ignore_errors=True)
         self._temporary, self.clients = [], []
-        if self.launch:
-            self.weights_dir = None
 
     # weights
 
@@ -266,7 +266,7 @@ class VLLMServerEngine(RolloutEngine):
         for future, oldest_step in list(self.ahead.values()):
             if self.step is not None and oldest_step <= self.step:
                 future.exception()
-        step = module.trainer.global_step if module._trainer is not None else 0
+        step = module.global_step
         weights = merged_state_dict(module.policy.model, getattr(torch, self._dtype(module)))  # every process: gathers shards
         label = version_label(self.run, len(self.pushed))
         folder = os.path.join(self.weights_dir, label.replace("/", "-"))
