@@ -191,13 +191,14 @@ class VLLMServerEngine(RolloutEngine):
     def start(self, module) -> None:
         """Connects to the servers (launching one first with ``launch``); the run's id labels its weights versions."""
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        run = [uuid.uuid4().hex[:8]]
-        if distributed:
-            torch.distributed.broadcast_object_list(run, src=0)
-        self.run = run[0]
-        if self.weights_dir is None:
+        if self.weights_dir is None and (not distributed or torch.distributed.get_rank() == 0):
             self.weights_dir = tempfile.mkdtemp(prefix="lit-cancel-weights-")
             self._temporary.append(self.weights_dir)
+        # every process names the folders rank 0 writes: any of them may push the current ones to a server (_current)
+        shared = [uuid.uuid4().hex[:8], self.weights_dir]
+        if distributed:
+            torch.distributed.broadcast_object_list(shared, src=0)
+        self.run, self.weights_dir = shared
         os.makedirs(self.weights_dir, exist_ok=True)
         if self.launch:
             self.urls = [self._launch(module)]
@@ -274,6 +275,8 @@ class VLLMServerEngine(RolloutEngine):
         previous = self.folder
         with self.version_changed:
             self.step, self.label, self.folder = step, label, folder
+            if rank != 0:  # rank 0 pushed them: pushed again only to a server that reports other weights (_current)
+                self.labels = {client.url: label for client in self.clients}
             self.version_changed.notify_all()
         if rank == 0 and previous not in (None, folder):
             shutil.rmtree(previous, ignore_errors=True)
