@@ -113,12 +113,14 @@ def reserve_logger_version(config: Namespace) -> list[Path]:
     """Sets the version of a logger that would pick it (see :func:`_versioned_logger`) to a ``version_N`` folder
     reserved for this run, and returns the folders it made, innermost first. Only the first process of a run reserves: the processes that
     Lightning starts for the other ranks take its folder from ``LIT_CANCEL_RUN_FOLDER``; those started otherwise
-    (``torchrun``, Slurm) keep ``version: null``, and Lightning gives them rank 0's folder where it counts."""
+    (``torchrun``, Slurm, or on another node: ``NODE_RANK`` above 0) keep ``version: null``, and Lightning gives them
+    rank 0's folder where it counts."""
     logger = _versioned_logger(config)
     if logger is None:
         return []
     runs = _runs_folder(logger)
-    if _get_rank() not in (None, 0):
+    # a node's first process has LOCAL_RANK 0 or none; NODE_RANK (GROUP_RANK under torchrun) tells the first node's
+    if _get_rank() not in (None, 0) or int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0))) != 0:
         # a process that Lightning started for another rank has the first one's environment
         reserved = Path(os.environ.get(RUN_FOLDER_VARIABLE) or ".")
         if (number := re.fullmatch(r"version_(\d+)", reserved.name)) and reserved.parent == runs.resolve():

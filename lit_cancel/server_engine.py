@@ -191,13 +191,14 @@ class VLLMServerEngine(RolloutEngine):
         if self.launch and distributed:
             raise ValueError(f"{_ENGINE_KEY}.launch starts one server for one trainer process; with several, start servers "
                              "with lit-cancel serve and give their urls")
-        run = [uuid.uuid4().hex[:8]]
-        if distributed:
-            torch.distributed.broadcast_object_list(run, src=0)
-        self.run = run[0]
-        if self.weights_dir is None:
+        if self.weights_dir is None and (not distributed or torch.distributed.get_rank() == 0):
             self.weights_dir = tempfile.mkdtemp(prefix="lit-cancel-weights-")
             self._temporary.append(self.weights_dir)
+        # every process names the folders rank 0 writes: any of them may push the current ones to a server (_current)
+        shared = [uuid.uuid4().hex[:8], self.weights_dir]
+        if distributed:
+            torch.distributed.broadcast_object_list(shared, src=0)
+        self.run, self.weights_dir = shared
         os.makedirs(self.weights_dir, exist_ok=True)
         if self.launch:
             self.urls = [self._launch(module)]

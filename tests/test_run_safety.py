@@ -420,3 +420,11 @@ def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_tak
     assert reserve_logger_version(first) == [tmp_path / "runs" / "tiny" / "version_1"]  # the folders above it were there
     monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning starts them with the first process's environment
     assert reserve_logger_version(other) == [] and other.trainer.logger.init_args.version == 1
+    # the first process of a second node, started there by hand (as Lightning's docs for a cluster say), without the
+    # first process's environment
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.delenv("LIT_CANCEL_RUN_FOLDER")
+    other_node = config()
+    assert reserve_logger_version(other_node) == [] and other_node.trainer.logger.init_args.version is None
+    assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0", "version_1"]

