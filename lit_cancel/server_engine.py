@@ -70,9 +70,11 @@ def write_weights(weights: dict[str, Tensor], folder: str) -> None:
     os.replace(partial, folder)
 
 
-def model_folder_for_config(config_path: str, folder: str) -> tuple[str, str, bool]:
+def model_folder_for_config(config_path: str, folder: str) -> tuple[str, dict, bool]:
     """Writes the model of a fit config (``model.init_args.model_path``, ``dtype``) as a Hugging Face folder for a server;
-    returns the folder, the server's dtype and whether there is no GPU."""
+    returns the folder, the server's settings that the config's engine gives (``dtype``, ``max_model_len``,
+    ``kv_cache_memory_bytes``; the dtype as :func:`~lit_cancel.vllm_engine.engine_dtype` chooses when unset) and
+    whether there is no GPU."""
     import yaml
 
     from lit_cancel.hub import load_causal_lm, load_tokenizer
@@ -80,12 +82,16 @@ def model_folder_for_config(config_path: str, folder: str) -> tuple[str, str, bo
     with open(config_path) as file:
         config = yaml.safe_load(file) or {}
     arguments = (config.get("model") or {}).get("init_args") or {}
+    engine = arguments.get("engine")
+    engine = (engine.get("init_args") or {}) if isinstance(engine, dict) else {}
     model_path = arguments.get("model_path", "embedded:tiny-adder")
     model = load_causal_lm(model_path, dtype=arguments.get("dtype"))
     model.save_pretrained(folder)
     load_tokenizer(model_path, option="model_path").save_pretrained(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return folder, engine_dtype(None, next(model.parameters()).dtype, device), device.type == "cpu"
+    settings = {key: engine.get(key) for key in ("max_model_len", "kv_cache_memory_bytes")}
+    settings["dtype"] = engine_dtype(engine.get("dtype"), next(model.parameters()).dtype, device)
+    return folder, settings, device.type == "cpu"
 
 
 class VLLMServerEngine(RolloutEngine):

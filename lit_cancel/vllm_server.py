@@ -173,26 +173,36 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lit-cancel serve", description="Start a vLLM rollout server for a config's model (VLLMServerEngine's urls)."
     )
-    parser.add_argument("--config", required=True, help="the fit config whose model.init_args.model_path is served")
+    parser.add_argument("--config", required=True, help="the fit config whose model (model_path, dtype) is served, with the "
+                        "max_model_len, kv_cache_memory_bytes and dtype of its engine unless given here")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for other machines)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cpus", default=None, help="comma-separated CPU cores for the server (a CPU server), e.g. 1")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus completion")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (1 GiB on a CPU when unset)")
-    parser.add_argument("--dtype", default=None, help="the server's dtype; default: the model's (bfloat16 on a GPU)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus completion; default: the config's, else the model's")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache size; default: the config's, else 1 GiB on a CPU and a share of memory on a GPU")
+    parser.add_argument("--dtype", default=None, help="the server's dtype; default: the config's, else the model's (bfloat16 on a GPU)")
     return parser
+
+
+def serve_command(argv: list[str]) -> tuple[list[str], list[int] | None]:
+    """The server command line of ``lit-cancel serve`` with ``argv``, and the CPU cores it keeps to; writes the model's folder."""
+    args, extra = parser().parse_known_args(argv)
+    from lit_cancel.server_engine import model_folder_for_config
+
+    folder, settings, on_cpu = model_folder_for_config(args.config, tempfile.mkdtemp(prefix="lit-cancel-serve-"))
+    kv_bytes = args.kv_cache_memory_bytes or settings["kv_cache_memory_bytes"] or (2**30 if on_cpu else None)
+    max_model_len = args.max_model_len or settings["max_model_len"]
+    command = server_command(folder, args.host, args.port, args.dtype or settings["dtype"], max_model_len, kv_bytes, on_cpu, extra)
+    return command, [int(c) for c in args.cpus.split(",")] if args.cpus else None
 
 
 def main(argv: list[str]) -> int:
     """``lit-cancel serve --config CONFIG``: a rollout server for the config's model, in the foreground."""
-    args, extra = parser().parse_known_args(argv)
-    from lit_cancel.server_engine import model_folder_for_config
-
-    folder, dtype, on_cpu = model_folder_for_config(args.config, tempfile.mkdtemp(prefix="lit-cancel-serve-"))
-    kv_bytes = args.kv_cache_memory_bytes or (2**30 if on_cpu else None)
-    command = server_command(folder, args.host, args.port, args.dtype or dtype, args.max_model_len, kv_bytes, on_cpu, extra)
-    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    command, cpus = serve_command(argv)
     if cpus:
         os.sched_setaffinity(0, cpus)
-    print(f"serving {folder} at http://{args.host}:{args.port}:\n  {' '.join(command)}", flush=True)
+    print(f"serving at {command[command.index('--host') + 1]}:{command[command.index('--port') + 1]}:\n  {' '.join(command)}",
+          flush=True)
     os.execve(command[0], command, server_environment(cpus))
