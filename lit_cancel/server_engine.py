@@ -312,7 +312,7 @@ class VLLMServerEngine(RolloutEngine):
             options["logit_bias"] = {str(int(token)): _SUPPRESSED for token in options["logit_bias"]}
         sampling = SamplingOptions(
             module.temperature, module.top_p, module.max_new_tokens, (module.tokenizer.eos_token_id,), greedy,
-            tuple(sorted((k, v if not isinstance(v, dict) else tuple(v.items())) for k, v in options.items())),
+            tuple(sorted(options.items())),
         )
         # as VLLMEngine: sample k of prompt i is seeded first_seed + i * n + k, drawn from torch's generator
         first_seed = int(torch.randint(2**30, ()))

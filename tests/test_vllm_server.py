@@ -70,7 +70,7 @@ def server(model_folder):
 
 def server_module(url: str, **kwargs) -> RLModule:
     engine = VLLMServerEngine(urls=[url], **kwargs.pop("engine_options", {}))
-    return RLModule("embedded:tiny-adder", engine=engine, max_new_tokens=40, **kwargs)
+    return RLModule("embedded:tiny-adder", engine=engine, **{"max_new_tokens": 40, **kwargs})
 
 
 def prompts(module: RLModule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +117,17 @@ def test_rollouts_come_from_the_pushed_weights_and_follow_each_push(server):
     assert mismatch(module, after) < TOLERANCE
     stale = module.token_logprobs(before.input_ids, before.attention_mask, before.prompt_length)
     assert float(((stale - before.sampler_logprobs).abs() * before.completion_mask).max()) > 0.1  # the push changed them
+    module.engine.close()
+
+
+def test_suppressed_tokens_reach_the_server_as_a_logit_bias(server):
+    module = server_module(server, max_new_tokens=48)
+    torch.manual_seed(0)
+    ended = module.rollout(*prompts(module), num_samples=2).completion_mask.sum(1)
+    assert (ended < 48).all()  # the shipped model ends its sums (about 30 tokens) with EOS
+    module.generation_kwargs = {"suppress_tokens": [module.tokenizer.eos_token_id]}
+    torch.manual_seed(0)
+    assert module.rollout(*prompts(module), num_samples=2).completion_mask.sum(1).tolist() == [48] * 8
     module.engine.close()
 
 
