@@ -34,7 +34,7 @@ class Sampled:
 
     Attributes:
         sequences: ``[B * n, P + C]`` the prompts as given (left-padded to ``P``), then the completions,
-            right-padded with the tokenizer's pad id after EOS.
+            right-padded with the tokenizer's pad id after their stop token.
         logprobs: ``[B * n, C]`` log-probability of each sampled token under the sampler's distribution
             (after temperature, top-k, top-p), 0 after the completion; None when the sampler is the policy itself.
         sync_seconds: seconds spent pushing the policy's weights to the engine before sampling.
@@ -80,11 +80,12 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        """``num_samples`` completions of each prompt, with the module's sampling options, stopping at EOS.
+        """``num_samples`` completions of each prompt, with the module's sampling options, each ending at its first
+        token of ``module.stop_token_ids`` (kept) or after ``max_new_tokens``.
 
         Args:
             module: the policy module: its ``policy`` (a :class:`~lit_cancel.sharding.ModelRoot`),
-                ``tokenizer``, ``temperature``, ``top_p``, ``max_new_tokens`` and ``generation_kwargs``.
+                ``tokenizer``, ``stop_token_ids``, ``temperature``, ``top_p``, ``max_new_tokens`` and ``generation_kwargs``.
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]``.
             num_samples: completions per prompt.
@@ -122,7 +123,7 @@ class HFGenerate(RolloutEngine):
             max_new_tokens=module.max_new_tokens,
             num_return_sequences=num_samples,
             pad_token_id=module.tokenizer.pad_token_id,
-            eos_token_id=module.tokenizer.eos_token_id,
+            eos_token_id=list(module.stop_token_ids),
             **{**sampling, **module.generation_kwargs},
         )
         sequences = module.policy(
@@ -148,9 +149,8 @@ class DecodeLoop(HFGenerate):
         if v1_sharded or not supports_decode_loop(module.policy.model, module.generation_kwargs):
             return super().sample(module, input_ids, attention_mask, num_samples, greedy)
         processors = logits_processors(module.generation_kwargs, module.temperature, module.top_p, greedy)
-        tokenizer = module.tokenizer
         sequences = module.policy(
             sample_completions, input_ids, attention_mask, num_samples, module.max_new_tokens,
-            tokenizer.eos_token_id, tokenizer.pad_token_id, processors, greedy,
+            module.stop_token_ids, module.tokenizer.pad_token_id, processors, greedy,
         )
         return Sampled(sequences)
