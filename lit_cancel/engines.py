@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from transformers import GenerationConfig
 
 from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
@@ -115,8 +114,6 @@ class HFGenerate(RolloutEngine):
     """Hugging Face ``generate`` on the policy, with the module's options and ``generation_kwargs``."""
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        # FSDP (v1) gathers per forward: every process must keep stepping until all are done, which generate does
-        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
         sampling = {} if greedy else {"temperature": module.temperature, "top_p": module.top_p, "top_k": 0}
         config = GenerationConfig(
             do_sample=not greedy,
@@ -126,9 +123,7 @@ class HFGenerate(RolloutEngine):
             eos_token_id=list(module.stop_token_ids),
             **{**sampling, **module.generation_kwargs},
         )
-        sequences = module.policy(
-            _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=v1_sharded
-        )
+        sequences = module.policy(_generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         return Sampled(sequences)
 
 
@@ -140,13 +135,12 @@ class DecodeLoop(HFGenerate):
     """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
 
     Models outside :data:`~lit_cancel.decoding.DECODE_LOOP_MODEL_TYPES`, generation options outside
-    :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` and FSDP (v1) roots are sampled with ``generate``
-    instead; greedy decoding gives the same tokens either way.
+    :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` are sampled with ``generate`` instead; greedy
+    decoding gives the same tokens either way.
     """
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
-        if v1_sharded or not supports_decode_loop(module.policy.model, module.generation_kwargs):
+        if not supports_decode_loop(module.policy.model, module.generation_kwargs):
             return super().sample(module, input_ids, attention_mask, num_samples, greedy)
         processors = logits_processors(module.generation_kwargs, module.temperature, module.top_p, greedy)
         sequences = module.policy(

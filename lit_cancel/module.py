@@ -190,8 +190,8 @@ class PolicyModule(L.LightningModule):
         )
 
     def configure_model(self) -> None:
-        """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2) or ``FSDPStrategy``; compiles its decoder
-        with ``compile``."""
+        """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
+        its decoder with ``compile``."""
         self.policy = shard(self.policy, self.trainer.strategy)
         if self.compile:
             rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "

@@ -21,8 +21,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 class ModelRoot(nn.Module):
@@ -57,7 +56,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+    return isinstance(module, FSDPModule)
 
 
 def fully_shard_model(root: ModelRoot, mesh: DeviceMesh) -> FSDPModule:
@@ -108,9 +107,6 @@ def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
                 "number of processes"
             )
         return fully_shard_model(root, strategy.device_mesh["data_parallel"])
-    if isinstance(strategy, FSDPStrategy):
-        block_classes = {type(block) for block in transformer_blocks(root.model)}
-        return wrap(root, auto_wrap_policy=ModuleWrapPolicy(block_classes))
     return root
 
 
