@@ -37,7 +37,7 @@ from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.runs import prepare_run, try_writing_in
-from lit_cancel.sharding import shards
+from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
@@ -191,9 +191,9 @@ class LitCancelCLI(LightningCLI):
     """``LightningCLI`` in subclass mode.
 
     The subcommands are ``fit`` and ``validate`` (the held-out evaluation); the optimizer is the
-    module's ``optimizer`` argument only. Parse and instantiation errors, a ``--ckpt_path`` that is
-    not a checkpoint of the config's kind, data sizes that do not fit the trainer and an engine that
-    cannot serve the module (:meth:`~lit_cancel.engines.RolloutEngine.check`) are raised as
+    module's ``optimizer`` argument only. Parse and instantiation errors, Lightning's FSDP (v1) strategy, a
+    ``--ckpt_path`` that is not a checkpoint of the config's kind, data sizes that do not fit the trainer and
+    an engine that cannot serve the module (:meth:`~lit_cancel.engines.RolloutEngine.check`) are raised as
     :class:`ConfigError`, all before training or the first validation starts. Before ``fit`` starts
     from scratch (no ``--ckpt_path``), it validates once, so the held-out accuracy of the starting
     policy is logged at step 0. ``--trainer.enable_progress_bar=false`` drops a progress bar that the
@@ -242,6 +242,7 @@ class LitCancelCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             try:
+                check_strategy(self.config[subcommand].trainer.strategy)  # before the Trainer, which refuses FSDP on a CPU
                 self.reserved_folders = prepare_run(self.config[subcommand], subcommand)
             except ValueError as error:
                 raise ConfigError(str(error)) from error

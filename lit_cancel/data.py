@@ -278,7 +278,7 @@ class RolloutDataModule(TaskDataModule):
         sampled = RolloutBatch.concat(informative + uninformative)
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
-        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.tokenizer.eos_token_id)
+        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.stop_token_ids)
         engine = self.trainer.lightning_module.engine
         stats |= engine_stats | staleness_stats(kept, self.trainer.global_step, self.steps_per_round, engine.max_staleness)
         self.warn_if_cannot_learn(stats)

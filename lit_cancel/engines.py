@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from transformers import GenerationConfig
 
 from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
@@ -34,7 +33,7 @@ class Sampled:
 
     Attributes:
         sequences: ``[B * n, P + C]`` the prompts as given (left-padded to ``P``), then the completions,
-            right-padded with the tokenizer's pad id after EOS.
+            right-padded with the tokenizer's pad id after their stop token.
         logprobs: ``[B * n, C]`` log-probability of each sampled token under the sampler's distribution
             (after temperature, top-k, top-p), 0 after the completion; None when the sampler is the policy itself.
         sync_seconds: seconds spent pushing the policy's weights to the engine before sampling.
@@ -80,11 +79,12 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        """``num_samples`` completions of each prompt, with the module's sampling options, stopping at EOS.
+        """``num_samples`` completions of each prompt, with the module's sampling options, each ending at its first
+        token of ``module.stop_token_ids`` (kept) or after ``max_new_tokens``.
 
         Args:
             module: the policy module: its ``policy`` (a :class:`~lit_cancel.sharding.ModelRoot`),
-                ``tokenizer``, ``temperature``, ``top_p``, ``max_new_tokens`` and ``generation_kwargs``.
+                ``tokenizer``, ``stop_token_ids``, ``temperature``, ``top_p``, ``max_new_tokens`` and ``generation_kwargs``.
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]``.
             num_samples: completions per prompt.
@@ -114,20 +114,16 @@ class HFGenerate(RolloutEngine):
     """Hugging Face ``generate`` on the policy, with the module's options and ``generation_kwargs``."""
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        # FSDP (v1) gathers per forward: every process must keep stepping until all are done, which generate does
-        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
         sampling = {} if greedy else {"temperature": module.temperature, "top_p": module.top_p, "top_k": 0}
         config = GenerationConfig(
             do_sample=not greedy,
             max_new_tokens=module.max_new_tokens,
             num_return_sequences=num_samples,
             pad_token_id=module.tokenizer.pad_token_id,
-            eos_token_id=module.tokenizer.eos_token_id,
+            eos_token_id=list(module.stop_token_ids),
             **{**sampling, **module.generation_kwargs},
         )
-        sequences = module.policy(
-            _generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=v1_sharded
-        )
+        sequences = module.policy(_generate, input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         return Sampled(sequences)
 
 
@@ -139,18 +135,16 @@ class DecodeLoop(HFGenerate):
     """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
 
     Models outside :data:`~lit_cancel.decoding.DECODE_LOOP_MODEL_TYPES`, generation options outside
-    :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` and FSDP (v1) roots are sampled with ``generate``
-    instead; greedy decoding gives the same tokens either way.
+    :data:`~lit_cancel.decoding.DECODE_LOOP_OPTIONS` are sampled with ``generate`` instead; greedy
+    decoding gives the same tokens either way.
     """
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        v1_sharded = isinstance(module.policy, FullyShardedDataParallel)
-        if v1_sharded or not supports_decode_loop(module.policy.model, module.generation_kwargs):
+        if not supports_decode_loop(module.policy.model, module.generation_kwargs):
             return super().sample(module, input_ids, attention_mask, num_samples, greedy)
         processors = logits_processors(module.generation_kwargs, module.temperature, module.top_p, greedy)
-        tokenizer = module.tokenizer
         sequences = module.policy(
             sample_completions, input_ids, attention_mask, num_samples, module.max_new_tokens,
-            tokenizer.eos_token_id, tokenizer.pad_token_id, processors, greedy,
+            module.stop_token_ids, module.tokenizer.pad_token_id, processors, greedy,
         )
         return Sampled(sequences)

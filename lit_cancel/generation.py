@@ -1,12 +1,22 @@
-"""What a rollout engine's samples become: token ids cut at EOS, masks, texts and the sampler's log-probs."""
+"""What a rollout engine's samples become: token ids cut at their first stop token, masks, texts and the sampler's log-probs."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.engines import Sampled
+
+
+def stop_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS, then every ``eos_token_id`` of the model's generation
+    config (an id or a list: Qwen2.5-Instruct's lists ``<|im_end|>``, which is also its tokenizer's EOS, and
+    ``<|endoftext|>``), each once."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [declared] if isinstance(declared, int) else list(declared or [])
+    return list(dict.fromkeys(int(token) for token in [tokenizer.eos_token_id, *declared] if token is not None))
 
 
 @dataclass
@@ -16,9 +26,9 @@ class Generation:
     Attributes:
         input_ids: ``[B * n, P + C]`` prompts (left-padded) followed by completions (right-padded).
         attention_mask: ``[B * n, P + C]``.
-        completion_mask: ``[B * n, C]``, one up to and including the first EOS.
+        completion_mask: ``[B * n, C]``, one up to and including the first stop token.
         prompt_length: ``P``.
-        texts: decoded completions, special tokens removed.
+        texts: decoded completions, special tokens and the stop token removed.
         sampler_logprobs: ``[B * n, C]`` each sampled token's log-prob under the engine that sampled it,
             0 after the completion; None when the engine is the policy itself.
         sync_seconds: seconds spent pushing weights to the engine before sampling.
@@ -39,14 +49,16 @@ class Generation:
 
     @classmethod
     def from_sampled(
-        cls, sampled: Sampled, attention_mask: Tensor, num_samples: int, tokenizer: PreTrainedTokenizerBase, sync_seconds: float
+        cls, sampled: Sampled, attention_mask: Tensor, num_samples: int, tokenizer: PreTrainedTokenizerBase, sync_seconds: float,
+        stop_token_ids: Sequence[int],
     ) -> "Generation":
-        """The completions of ``sampled`` cut after their first EOS (padding after it), with their masks and texts."""
+        """The completions of ``sampled`` cut after their first token of ``stop_token_ids`` (padding after it), with
+        their masks and texts."""
         prompt_length = attention_mask.shape[1]
         completions = sampled.sequences[:, prompt_length:]
-        is_eos = completions == tokenizer.eos_token_id
-        # one up to and including the first EOS
-        completion_mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        is_stop = torch.isin(completions, torch.tensor(list(stop_token_ids), device=completions.device))
+        # one up to and including the first stop token
+        completion_mask = (is_stop.long().cumsum(1) - is_stop.long()) == 0
         completions = completions.masked_fill(~completion_mask, tokenizer.pad_token_id)
         prompt_mask = attention_mask.repeat_interleave(num_samples, dim=0)
         sampler_logprobs = None if sampled.logprobs is None else sampled.logprobs.masked_fill(~completion_mask, 0.0)
@@ -55,7 +67,8 @@ class Generation:
             attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
             completion_mask=completion_mask.long(),
             prompt_length=prompt_length,
-            texts=tokenizer.batch_decode(completions, skip_special_tokens=True),
+            # a stop token the generation config declares need not be a special token
+            texts=tokenizer.batch_decode(completions.masked_fill(is_stop, tokenizer.pad_token_id), skip_special_tokens=True),
             sampler_logprobs=sampler_logprobs,
             sync_seconds=sync_seconds,
             sampler_steps=sampled.steps,

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, RolloutEngine
-from lit_cancel.generation import Generation, encode_completions, padded
+from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -25,7 +25,7 @@ from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_no
 _SET_ELSEWHERE = {
     "do_sample": "greedy or not is chosen per call", "max_new_tokens": "use max_new_tokens",
     "num_return_sequences": "the group size is the datamodule's", "temperature": "use temperature", "top_p": "use top_p",
-    "pad_token_id": "the tokenizer's is used", "eos_token_id": "the tokenizer's is used",
+    "pad_token_id": "the tokenizer's is used", "eos_token_id": "the model's stop tokens are used (stop_token_ids)",
 }
 
 
@@ -56,6 +56,8 @@ class PolicyModule(L.LightningModule):
 
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
+    Completions end at the first of ``self.stop_token_ids``: the tokenizer's EOS and every
+    ``eos_token_id`` of the model's generation config (:func:`~lit_cancel.generation.stop_token_ids`).
 
     Args:
         model_path: local Hugging Face model folder, or ``embedded:tiny-adder``.
@@ -149,6 +151,7 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
+        self.stop_token_ids = stop_token_ids(model, self.tokenizer)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
@@ -162,7 +165,7 @@ class PolicyModule(L.LightningModule):
 
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
-        """Samples ``num_samples`` completions of each left-padded prompt with the engine, stopping at EOS."""
+        """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token."""
         was_training = self.policy.training
         self.policy.eval()
         with gathered(self.policy), self.engine.context(self):
@@ -173,7 +176,7 @@ class PolicyModule(L.LightningModule):
             sampled = self.engine.sample(self, input_ids, attention_mask, num_samples, greedy)
         self.policy.train(was_training)
 
-        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds)
+        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -187,8 +190,8 @@ class PolicyModule(L.LightningModule):
         )
 
     def configure_model(self) -> None:
-        """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2) or ``FSDPStrategy``; compiles its decoder
-        with ``compile``."""
+        """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
+        its decoder with ``compile``."""
         self.policy = shard(self.policy, self.trainer.strategy)
         if self.compile:
             rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "

@@ -9,6 +9,7 @@ to draw and how the result is cut into optimizer steps; validation scores its sa
 import math
 import numbers
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -130,17 +131,18 @@ def staleness_stats(batch: RolloutBatch, step: int, steps_per_round: int, max_st
 
 
 def round_stats(
-    sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float, eos_token_id: int
+    sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float, stop_token_ids: Sequence[int]
 ) -> dict[str, float]:
     """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
 
     ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
-    completion without ``eos_token_id`` was cut at ``max_new_tokens``.
+    completion without a token of ``stop_token_ids`` was cut at ``max_new_tokens``.
     """
     rewards = sampled.rewards.view(-1, group_size)
     lengths = sampled.completion_mask.sum(1).float()
     completions = sampled.input_ids[:, sampled.prompt_length :]
-    ended = ((completions == eos_token_id) & sampled.completion_mask.bool()).any(1)
+    stops = torch.tensor(list(stop_token_ids), device=completions.device)
+    ended = (torch.isin(completions, stops) & sampled.completion_mask.bool()).any(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/accuracy": (rewards > 0).float().mean().item(),

@@ -311,7 +311,7 @@ class VLLMServerEngine(RolloutEngine):
         if "logit_bias" in options:
             options["logit_bias"] = {str(int(token)): _SUPPRESSED for token in options["logit_bias"]}
         sampling = SamplingOptions(
-            module.temperature, module.top_p, module.max_new_tokens, (module.tokenizer.eos_token_id,), greedy,
+            module.temperature, module.top_p, module.max_new_tokens, tuple(module.stop_token_ids), greedy,
             tuple(sorted(options.items())),
         )
         # as VLLMEngine: sample k of prompt i is seeded first_seed + i * n + k, drawn from torch's generator

@@ -1,4 +1,8 @@
-"""Sharding a model with FSDP2 (``fully_shard``) or FSDP, and running it while sharded.
+"""Sharding a model with FSDP2 (``fully_shard``), and running it while sharded.
+
+Lightning's FSDP (v1) strategy, ``FSDPStrategy``, is refused (:func:`check_strategy`): its flat shards, one per
+process, break the logged gradient norm, LoRA checkpoints and weight pushes to vLLM, which take FSDP2's whole
+tensors, and Lightning refuses its gradient clipping by norm (docs/distributed.md).
 
 FSDP gathers a unit's parameters in that unit's ``forward``. Log-probs use the decoder and the LM
 head separately, ``generate`` runs its own loop, and the health callbacks make extra forward
@@ -8,16 +12,16 @@ unit and the root is another holding what lies outside the blocks (embeddings, f
 so every use of every parameter happens inside a forward that gathered it.
 """
 
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, wrap
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 class ModelRoot(nn.Module):
@@ -52,7 +56,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+    return isinstance(module, FSDPModule)
 
 
 def fully_shard_model(root: ModelRoot, mesh: DeviceMesh) -> FSDPModule:
@@ -64,16 +68,34 @@ def fully_shard_model(root: ModelRoot, mesh: DeviceMesh) -> FSDPModule:
 
 def shards(strategy: Strategy) -> bool:
     """Whether :func:`shard` shards a model under ``strategy``."""
-    return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raises ValueError, in one line naming ``trainer.strategy``, for Lightning's FSDP (v1) strategy, given as the
+    config gives it (a registered name such as ``fsdp``, or a ``class_path``), as a class or as an instance."""
+    if hasattr(strategy, "class_path"):
+        module, _, name = strategy.class_path.rpartition(".")
+        strategy = getattr(importlib.import_module(module), name)
+    elif isinstance(strategy, str):
+        strategy = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    if issubclass(cls, FSDPStrategy):
+        raise ValueError(
+            f"trainer.strategy {cls.__name__} is Lightning's FSDP (v1), which lit_cancel does not support: shard with FSDP2, "
+            "class_path: lightning.pytorch.strategies.ModelParallelStrategy with init_args data_parallel_size: the number of "
+            "processes and tensor_parallel_size: 1 (as configs/qwen2.5-1.5b-gsm8k-fsdp.yaml does)"
+        )
 
 
 def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
-    """Shards ``root`` block by block under an FSDP2 or FSDP ``strategy``; other strategies get it back unchanged.
+    """Shards ``root`` block by block under ``ModelParallelStrategy`` (FSDP2); other strategies get it back unchanged,
+    except ``FSDPStrategy``, which is refused (:func:`check_strategy`).
 
-    Call it from ``configure_model``. Under ``ModelParallelStrategy`` every block and then the root
-    are ``fully_shard``-ed over the data-parallel mesh; under ``FSDPStrategy`` the root is wrapped
-    with the strategy's settings and an auto-wrap policy for its block classes.
+    Call it from ``configure_model``. Every block and then the root are ``fully_shard``-ed over the
+    data-parallel mesh.
     """
+    check_strategy(strategy)
     if is_sharded(root):
         return root
     if isinstance(strategy, ModelParallelStrategy):
@@ -85,9 +107,6 @@ def shard(root: ModelRoot, strategy: Strategy) -> nn.Module:
                 "number of processes"
             )
         return fully_shard_model(root, strategy.device_mesh["data_parallel"])
-    if isinstance(strategy, FSDPStrategy):
-        block_classes = {type(block) for block in transformer_blocks(root.model)}
-        return wrap(root, auto_wrap_policy=ModuleWrapPolicy(block_classes))
     return root
 
 
@@ -98,8 +117,7 @@ def gathered(root: nn.Module) -> Iterator[None]:
     ``generate`` calls the model once per new token. Without this, every call would all-gather
     every block again; with it each process gathers the whole model once (memory: the full
     parameters, as without sharding) and the decoding steps need no communication, so processes
-    whose completions end early need not keep stepping with the others. FSDP (v1) roots are left
-    as they are: their units gather per forward.
+    whose completions end early need not keep stepping with the others.
     """
     if not isinstance(root, FSDPModule):
         yield

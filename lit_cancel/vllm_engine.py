@@ -330,7 +330,7 @@ class VLLMEngine(RolloutEngine):
             temperature=0.0 if greedy else module.temperature,
             top_p=1.0 if greedy else module.top_p,
             max_tokens=module.max_new_tokens,
-            stop_token_ids=[tokenizer.eos_token_id],
+            stop_token_ids=list(module.stop_token_ids),
             logprobs=None if greedy else 0,
             detokenize=False,
             **options,

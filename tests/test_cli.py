@@ -297,6 +297,18 @@ def test_compile_under_a_sharding_strategy_is_refused_before_any_process_starts(
     )
 
 
+@pytest.mark.parametrize("strategy", ["--trainer.strategy=fsdp", "--trainer.strategy=fsdp_cpu_offload",
+                                      "--trainer.strategy.class_path=lightning.pytorch.strategies.FSDPStrategy"])
+def test_lightnings_fsdp_v1_strategy_is_refused_before_the_trainer_is_built(tmp_path, monkeypatch, capsys, strategy):
+    # on a CPU, Lightning's Trainer would refuse it first, saying that FSDP needs a GPU
+    assert console_error(monkeypatch, capsys, *quick_args(tmp_path, 2, strategy))[-1] == (
+        "error: trainer.strategy FSDPStrategy is Lightning's FSDP (v1), which lit_cancel does not support: shard with FSDP2, "
+        "class_path: lightning.pytorch.strategies.ModelParallelStrategy with init_args data_parallel_size: the number of processes "
+        "and tensor_parallel_size: 1 (as configs/qwen2.5-1.5b-gsm8k-fsdp.yaml does)"
+    )
+    assert list(tmp_path.iterdir()) == []  # no run folder was made
+
+
 @pytest.mark.parametrize("native, warned", [(False, True), (True, False)])
 def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_use(tmp_path, monkeypatch, native, warned):
     monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: native)

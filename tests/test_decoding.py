@@ -50,7 +50,7 @@ def test_greedy_decode_loop_gives_generates_tokens_with_rows_ending_at_different
     ids, mask = encoded(module)
     eos = staggered_eos(model, ids, mask)
     expected = hf_greedy(model, ids, mask, eos)
-    got = sample_completions(model, ids, mask, 1, 24, eos, 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
+    got = sample_completions(model, ids, mask, 1, 24, [eos], 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
     assert torch.equal(got, expected)
 
 
@@ -64,7 +64,7 @@ def test_decode_step_distributions_equal_a_fresh_forward_pass(module):
         torch.manual_seed(0)
         eos = module.tokenizer.eos_token_id
         processors = logits_processors({"suppress_tokens": [eos]}, 1.0, 1.0, greedy=False)
-        sequences = sample_completions(model, ids, mask, 3, 10, eos, 0, processors)
+        sequences = sample_completions(model, ids, mask, 3, 10, [eos], 0, processors)
     finally:
         hook.remove()
     assert sequences.shape == (len(PROMPTS) * 3, ids.shape[1] + 10)
@@ -187,6 +187,6 @@ def test_the_decode_loop_hands_its_cache_over_without_a_deprecation_warning(modu
     ids, mask = encoded(module)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = sample_completions(model, ids, mask, 2, 6, -1, 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
+        got = sample_completions(model, ids, mask, 2, 6, [-1], 0, logits_processors({}, 1.0, 1.0, greedy=True), greedy=True)
     assert [str(w.message) for w in caught if "past_key_values" in str(w.message) or "cache" in str(w.message)] == []
     assert torch.equal(got[::2], hf_greedy(model, ids, mask, eos=-1, new_tokens=6))

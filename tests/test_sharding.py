@@ -1,4 +1,5 @@
-"""Two CPU processes over gloo, replicated (DDP) or sharded (FSDP2): the same training as one process."""
+"""Two CPU processes over gloo, replicated (DDP) or sharded (FSDP2): the same training as one process; Lightning's FSDP (v1)
+is refused."""
 
 import subprocess
 import sys
@@ -6,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
 
 from lit_cancel import RLModule
+from lit_cancel.sharding import ModelRoot, shard
 
 SCRIPT = Path(__file__).parent / "split_step.py"
 OBJECTIVES = ["GRPO", "DFPOMin"]
@@ -45,12 +49,8 @@ def test_two_processes_reach_the_parameters_of_one(one_process, tmp_path, strate
         assert abs(split["local_parameters"] - expected) <= 0.01 * total, name
 
 
-def test_fsdp_v1_wrapping_gathers_for_generation_and_gradients(tmp_path):
-    """Lightning's FSDPStrategy needs a GPU; fsdp_wrap.py runs the same shard() call on 2 CPU processes."""
-    out = tmp_path / "fsdp.pt"
-    subprocess.run([sys.executable, str(Path(__file__).parent / "fsdp_wrap.py"), str(out)], check=True, capture_output=True, timeout=300)
-    result = torch.load(out)
-    assert result["units"] == 5  # 4 transformer blocks and the root
-    assert result["texts"] == result["expected_texts"]
-    assert result["expected_gradient"].abs().max() > 0
-    assert torch.allclose(result["gradient"], result["expected_gradient"], rtol=1e-5, atol=1e-7)
+def test_lightnings_fsdp_v1_strategy_is_refused_where_the_module_is_sharded():
+    """Without the CLI (a Trainer built in Python), configure_model refuses it in the same one line."""
+    with pytest.raises(ValueError, match=r"^trainer.strategy FSDPStrategy is Lightning's FSDP \(v1\), which lit_cancel does "
+                                         r"not support: shard with FSDP2, class_path: lightning.pytorch.strategies.ModelParallelStrategy"):
+        shard(ModelRoot(nn.Linear(2, 2)), FSDPStrategy())

@@ -89,6 +89,29 @@ def test_rollouts_decode_mask_and_match_the_trainers_logprobs(module):
     assert torch.equal(again.input_ids, generation.input_ids)  # the seed comes from torch's generator
 
 
+def test_every_stop_token_of_the_module_ends_vllm_completions(module, monkeypatch):
+    import vllm
+
+    eos, bar = module.tokenizer.eos_token_id, module.tokenizer.convert_tokens_to_ids("|")
+    # what a generation config that declares "|" an end-of-sequence token gives the module
+    monkeypatch.setattr(module, "stop_token_ids", [eos, bar])
+    asked, sampling_params = [], vllm.SamplingParams
+    monkeypatch.setattr(vllm, "SamplingParams", lambda **options: asked.append(options["stop_token_ids"]) or sampling_params(**options))
+    torch.manual_seed(0)
+    generation = module.rollout(*prompts(module), num_samples=4)
+    assert asked == [[eos, bar]]
+    completions = generation.input_ids[:, generation.prompt_length :]
+    last_tokens = []
+    for row, text in enumerate(generation.texts):
+        length = int(generation.completion_mask[row].sum())
+        tokens = completions[row, :length].tolist()
+        stops = [i for i, token in enumerate(tokens) if token in (eos, bar)]
+        assert stops == [length - 1] or (stops == [] and length == module.max_new_tokens)
+        assert "|" not in text
+        last_tokens.append(tokens[-1])
+    assert bar in last_tokens  # the tiny adder writes "|" before its answer
+
+
 def test_engine_follows_the_weights_only_after_a_sync(module):
     torch.manual_seed(1)
     module.rollout(*prompts(module), num_samples=2)  # synced to the current weights
