@@ -1,4 +1,4 @@
-"""The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links, ``export`` and ``audit-objective``.
+"""The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links; ``export``, ``audit-objective`` and ``serve``.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
 a checkpoint of the wrong kind, sizes that do not fit) ends the command with a short message naming
@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import warnings
 import zipfile
@@ -29,14 +28,13 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel import audit, presets
 from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import prepare_run, try_writing_in
+from lit_cancel.runs import prepare_run
 from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
@@ -394,53 +392,6 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
     )
 
 
-def _load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's state dict from a checkpoint file, or from the folder a sharded (FSDP2) run writes."""
-    if checkpoint.is_file():
-        return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
-    with tempfile.TemporaryDirectory() as scratch:
-        gathered = Path(scratch) / "gathered.ckpt"
-        dcp_to_torch_save(checkpoint, gathered)
-        return torch.load(gathered, map_location="cpu", weights_only=False)["state_dict"]
-
-
-def check_output_dir(folder: Path, overwrite: bool) -> None:
-    """Raises ConfigError when ``export`` could not write ``folder``, or would write among files already there."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--output_dir {folder} is a file, not a folder: name a new or empty folder")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise ConfigError(f"--output_dir {folder} is not empty: name a new or empty folder, or add --overwrite to write over its files")
-    try:
-        try_writing_in(folder)
-    except OSError as error:
-        raise ConfigError(f"--output_dir {folder}: cannot write in it ({error.strerror}: {error.filename})") from error
-
-
-def export(argv: list[str]) -> None:
-    """``lit-cancel export``: a training checkpoint to a Hugging Face folder, LoRA adapters merged."""
-    parser = argparse.ArgumentParser(prog="lit-cancel export", description=export.__doc__)
-    parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
-    parser.add_argument("--output_dir", required=True, help="folder for save_pretrained: new, or empty")
-    parser.add_argument("--overwrite", action="store_true", help="write into an --output_dir that already holds files")
-    args = parser.parse_args(argv)
-    check_output_dir(Path(args.output_dir), args.overwrite)
-    checkpoint_parameter_names(args.ckpt_path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # sys.argv is export's own
-        cli = LitCancelCLI(
-            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-            auto_configure_optimizers=False, args=["--config", args.config, "--trainer.logger=false"],
-        )
-    check_checkpoint(args.ckpt_path, lora=cli.model.lora is not None)
-    state = _load_model_state(Path(args.ckpt_path))
-    missing, unexpected = cli.model.load_state_dict(state, strict=cli.model.lora is None)
-    if unexpected:
-        raise ConfigError(f"--ckpt_path {args.ckpt_path} does not fit the model of {args.config}: {unexpected[:5]}")
-    cli.model.export(args.output_dir)
-    print(f"saved {args.output_dir}")
-
-
 def debugging() -> bool:
     """Whether ``LIT_CANCEL_DEBUG`` asks for whole tracebacks instead of the one-line reports."""
     return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
@@ -465,6 +416,8 @@ def main() -> None:
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))
         if command == ["export"]:
+            from lit_cancel.export import export
+
             export(sys.argv[2:])
             return
         if command == ["serve"]:
