@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lit_cancel.engines import RolloutEngine, Sampled
 from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingOptions, StaleRolloutError, parse_result, version_label
-from lit_cancel.vllm_engine import _SUPPRESSED, _VLLM_OPTIONS, engine_dtype, merged_state_dict
+from lit_cancel.vllm_engine import _VLLM_OPTIONS, engine_dtype, merged_state_dict, prompt_seeds, sampling_options
 from lit_cancel.vllm_server import (
     ServerClient,
     ServerError,
@@ -219,7 +219,7 @@ class VLLMServerEngine(RolloutEngine):
         self._temporary.append(folder)
         model = module.policy.model
         config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-        dtype = engine_dtype(self.dtype, next(model.parameters()).dtype, module.device)
+        dtype = self._dtype(module)
         config.save_pretrained(folder)
         module.tokenizer.save_pretrained(folder)
         write_weights(merged_state_dict(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
@@ -307,19 +307,15 @@ class VLLMServerEngine(RolloutEngine):
     # sampling
 
     def _requests(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool, oldest_step: int):
-        options = {_VLLM_OPTIONS[k]: v for k, v in module.generation_kwargs.items()}
-        if "logit_bias" in options:
-            options["logit_bias"] = {str(int(token)): _SUPPRESSED for token in options["logit_bias"]}
         sampling = SamplingOptions(
             module.temperature, module.top_p, module.max_new_tokens, tuple(module.stop_token_ids), greedy,
-            tuple(sorted(options.items())),
+            tuple(sorted(sampling_options(module.generation_kwargs).items())),
         )
-        # as VLLMEngine: sample k of prompt i is seeded first_seed + i * n + k, drawn from torch's generator
-        first_seed = int(torch.randint(2**30, ()))
+        # seeded as VLLMEngine seeds, so that both engines draw the same random numbers
+        seeds = prompt_seeds(len(input_ids), num_samples)
         return tuple(
-            RolloutRequest(tuple(ids[mask.bool()].tolist()), num_samples, sampling, None if greedy else first_seed + i * num_samples,
-                           oldest_step)
-            for i, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu()))
+            RolloutRequest(tuple(ids[mask.bool()].tolist()), num_samples, sampling, None if greedy else seed, oldest_step)
+            for ids, mask, seed in zip(input_ids.cpu(), attention_mask.cpu(), seeds, strict=True)
         )
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:

@@ -74,6 +74,21 @@ class RotaryReloadFilter(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
 
 
+def sampling_options(generation_kwargs: dict) -> dict:
+    """``generation_kwargs`` by the names of vLLM's ``SamplingParams``; suppressed tokens become a logit bias of -100."""
+    options = {_VLLM_OPTIONS[k]: v for k, v in generation_kwargs.items()}
+    if "logit_bias" in options:
+        options["logit_bias"] = {int(token): _SUPPRESSED for token in options["logit_bias"]}
+    return options
+
+
+def prompt_seeds(prompts: int, num_samples: int) -> list[int]:
+    """The sampling seed of each prompt's request, drawn from torch's generator. vLLM seeds sample k of a request with
+    seed + k: each prompt gets its own range, or all prompts would draw the same random numbers."""
+    first_seed = int(torch.randint(2**30, ()))
+    return [first_seed + index * num_samples for index in range(prompts)]
+
+
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors,
     floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every weight it has to cast).
@@ -322,9 +337,6 @@ class VLLMEngine(RolloutEngine):
 
         self._wake()
         tokenizer = module.tokenizer
-        options = {_VLLM_OPTIONS[k]: v for k, v in module.generation_kwargs.items()}
-        if "logit_bias" in options:
-            options["logit_bias"] = {int(token): _SUPPRESSED for token in options["logit_bias"]}
         params = SamplingParams(
             n=num_samples,
             temperature=0.0 if greedy else module.temperature,
@@ -333,15 +345,12 @@ class VLLMEngine(RolloutEngine):
             stop_token_ids=list(module.stop_token_ids),
             logprobs=None if greedy else 0,
             detokenize=False,
-            **options,
+            **sampling_options(module.generation_kwargs),
         )
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-        # vLLM seeds sample k of a request with seed + k: each prompt gets its own range, or all prompts would
-        # draw the same random numbers
-        first_seed = int(torch.randint(2**30, ()))
         per_prompt = [params.clone() for _ in prompts]
-        for index, prompt_params in enumerate(per_prompt):
-            prompt_params.seed = None if greedy else first_seed + index * num_samples
+        for prompt_params, seed in zip(per_prompt, prompt_seeds(len(prompts), num_samples), strict=True):
+            prompt_params.seed = None if greedy else seed
         outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=1)
