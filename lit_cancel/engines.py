@@ -100,10 +100,6 @@ class RolloutEngine(ABC):
         with weights of optimizer step ``oldest_step`` or later. Called only when :attr:`max_staleness` is above 0."""
         raise NotImplementedError(f"{type(self).__name__} samples on demand: its max_staleness is 0")
 
-    def close(self) -> None:
-        """Stops what the engine started (servers, threads); the engine starts again when next used."""
-        return None
-
     def check(self, module) -> None:
         """Raises ValueError, in one line naming the option to change, when the engine cannot serve the module as
         configured; the CLI calls it at start-up, before the engine starts. Nothing to check by default."""

@@ -28,7 +28,14 @@ from torch import Tensor
 
 from lit_cancel.engines import RolloutEngine, Sampled
 from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingOptions, StaleRolloutError, parse_result, version_label
-from lit_cancel.vllm_engine import _VLLM_OPTIONS, engine_dtype, merged_state_dict, prompt_seeds, sampling_options
+from lit_cancel.vllm_engine import (
+    _VLLM_OPTIONS,
+    engine_dtype,
+    merged_state_dict,
+    prompt_seeds,
+    sampled_completions,
+    sampling_options,
+)
 from lit_cancel.vllm_server import (
     ServerClient,
     ServerError,
@@ -239,6 +246,7 @@ class VLLMServerEngine(RolloutEngine):
         return url
 
     def close(self) -> None:
+        """Stops the launched server and the draws in flight; the engine starts again when next used."""
         with self.version_changed:
             self.closed = True
             self.step, self.pushed, self.ahead = None, {}, {}
@@ -375,21 +383,7 @@ class VLLMServerEngine(RolloutEngine):
         stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait}
         if self.max_staleness:
             stats["rollout/queue_depth"] = float(queued)
-        return self._sampled(results, input_ids, num_samples, greedy, module.tokenizer.pad_token_id, stats)
-
-    @staticmethod
-    def _sampled(results: list[RolloutResult], input_ids: Tensor, num_samples: int, greedy: bool, pad_id: int, stats: dict) -> Sampled:
         completions = [ids for result in results for ids in result.completion_ids]
-        width = max(1, max(map(len, completions)))
-        tokens = torch.full((len(completions), width), pad_id, dtype=input_ids.dtype)
-        logprobs = torch.zeros((len(completions), width))
-        for row, ids in enumerate(completions):
-            tokens[row, : len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
-        if not greedy:
-            flat = [values for result in results for values in result.logprobs]
-            for row, values in enumerate(flat):
-                logprobs[row, : len(values)] = torch.tensor(values)
+        logprobs = None if greedy else [values for result in results for values in result.logprobs]
         steps = torch.tensor([result.step for result in results]).repeat_interleave(num_samples)
-        device = input_ids.device
-        sequences = torch.cat([input_ids.repeat_interleave(num_samples, dim=0), tokens.to(device)], dim=1)
-        return Sampled(sequences, None if greedy else logprobs.to(device), steps=steps, stats=stats)
+        return sampled_completions(input_ids, num_samples, completions, logprobs, module.tokenizer.pad_token_id, steps=steps, stats=stats)

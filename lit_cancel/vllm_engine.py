@@ -356,16 +356,28 @@ class VLLMEngine(RolloutEngine):
             self.llm.sleep(level=1)
             self.sleeping = True
 
-        completions = [list(c.token_ids) for output in outputs for c in output.outputs]
-        width = max(map(len, completions))
-        rows = len(completions)
-        new_tokens = torch.full((rows, width), tokenizer.pad_token_id, dtype=input_ids.dtype)
-        logprobs = torch.zeros((rows, width))
         samples = [c for output in outputs for c in output.outputs]
-        for row, (tokens, sample) in enumerate(zip(completions, samples)):
-            new_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-            if not greedy:
-                logprobs[row, : len(tokens)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
-        device = input_ids.device
-        sequences = torch.cat([input_ids.repeat_interleave(num_samples, dim=0), new_tokens.to(device)], dim=1)
-        return Sampled(sequences, None if greedy else logprobs.to(device))
+        completions = [list(sample.token_ids) for sample in samples]
+        logprobs = None if greedy else [
+            [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
+        ]
+        return sampled_completions(input_ids, num_samples, completions, logprobs, tokenizer.pad_token_id)
+
+
+def sampled_completions(
+    input_ids: Tensor, num_samples: int, completions: list[list[int]], logprobs: list[list[float]] | None, pad_id: int, **fields
+) -> Sampled:
+    """The prompts ``input_ids`` (each repeated ``num_samples`` times) followed by their ``completions``, right-padded with
+    ``pad_id``, and each sampled token's log-prob (0 on padding; None when ``logprobs`` is); ``fields`` for :class:`Sampled`."""
+    width = max(map(len, completions))
+    tokens = torch.full((len(completions), width), pad_id, dtype=input_ids.dtype)
+    for row, ids in enumerate(completions):
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
+    device = input_ids.device
+    sequences = torch.cat([input_ids.repeat_interleave(num_samples, dim=0), tokens.to(device)], dim=1)
+    if logprobs is None:
+        return Sampled(sequences, None, **fields)
+    values = torch.zeros((len(completions), width))
+    for row, row_logprobs in enumerate(logprobs):
+        values[row, : len(row_logprobs)] = torch.tensor(row_logprobs)
+    return Sampled(sequences, values.to(device), **fields)
