@@ -192,7 +192,7 @@ class PolicyModule(L.LightningModule):
     def configure_model(self) -> None:
         """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
         its decoder with ``compile``."""
-        self.policy = shard(self.policy, self.trainer.strategy)
+        self.policy = shard(self.policy, self.trainer.strategy, str(self.trainer.precision))
         if self.compile:
             rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "
                            "validation); on a CPU each can take a minute before the run goes on at full speed")
@@ -305,7 +305,7 @@ class RLModule(PolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.reference is not None:
-            self.reference = shard(self.reference, self.trainer.strategy)
+            self.reference = shard(self.reference, self.trainer.strategy, str(self.trainer.precision))
             if self.compile:
                 compile_decoder(self.reference)
 

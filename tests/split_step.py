@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_cancel import PRESETS, AdditionTask, Generation, RLModule, RolloutDataModule
 from lit_cancel.generation import encode_completions
+from lit_cancel.sharding import transformer_blocks
 
 
 class FixedRollouts(RLModule):
@@ -53,6 +54,23 @@ class SaveGradient(L.Callback):
             self.gradient = flat(p.grad for p in pl_module.policy.parameters())
 
 
+class GatheredDtypes(L.Callback):
+    """The dtypes a transformer block's parameters have inside its forward (FSDP2 gathers them there), and the
+    sharded parameters' and their gradients' dtypes at the first optimizer step."""
+
+    def __init__(self):
+        self.in_forward, self.sharded, self.gradients = set(), None, None
+
+    def setup(self, trainer, pl_module, stage):
+        block = transformer_blocks(pl_module.policy)[0]  # before configure_model shards it: fully_shard keeps the module
+        block.register_forward_hook(lambda module, args, output: self.in_forward.update(p.dtype for p in module.parameters()))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.sharded is None:
+            self.sharded = {p.dtype for p in pl_module.policy.parameters()}
+            self.gradients = {p.grad.dtype for p in pl_module.policy.parameters()}
+
+
 class GreedyBeforeTraining(L.Callback):
     """Greedy completions of the same prompts on every process, the second process stopping after 8 tokens:
     under sharding the processes then run different numbers of decoding steps."""
@@ -77,12 +95,12 @@ def train(
         max_tokens_per_chunk=max_tokens_per_chunk,
     )
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
-    saver, greedy = SaveGradient(), GreedyBeforeTraining()
+    saver, greedy, dtypes = SaveGradient(), GreedyBeforeTraining(), GatheredDtypes()
     strategies = {"auto": "auto", "ddp": "ddp", "fsdp2": ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)}
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=devices, strategy=strategies[strategy], precision=precision,
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=[saver, greedy],
+        enable_model_summary=False, limit_val_batches=0, callbacks=[saver, greedy, dtypes],
     )
     trainer.fit(module, datamodule=data)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.policy.parameters())
@@ -91,6 +109,9 @@ def train(
         "parameters": flat(module.policy.parameters()),
         "local_parameters": local,
         "dtypes": {p.dtype for p in module.parameters()},
+        "in_forward": dtypes.in_forward,
+        "sharded": dtypes.sharded,
+        "gradients": dtypes.gradients,
         "greedy": greedy.texts,
     }
 
@@ -104,13 +125,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("--objectives", nargs="+", required=True)
+    parser.add_argument("--precision", default="32-true")
     # one per process, the last for the rest: processes can run different numbers of decoder chunks
     parser.add_argument("--max-tokens-per-chunk", type=int, nargs="+")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", 0))
     budget = args.max_tokens_per_chunk[min(rank, len(args.max_tokens_per_chunk) - 1)] if args.max_tokens_per_chunk else None
     results = {
-        name: train(name, args.devices, args.strategy, args.accumulate, args.steps, args.kl_coef,
+        name: train(name, args.devices, args.strategy, args.accumulate, args.steps, args.kl_coef, args.precision,
                     max_tokens_per_chunk=budget)
         for name in args.objectives
     }

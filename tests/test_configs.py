@@ -49,7 +49,8 @@ def test_single_gpu_recipe_trains_in_bf16_mixed(tmp_path, tiny_model_path, gsm8k
 
 
 def test_multi_gpu_recipe_shards_over_every_process(tmp_path, tiny_model_path, gsm8k_file):
-    args = real_model_args("qwen2.5-1.5b-gsm8k-fsdp.yaml", tmp_path, tiny_model_path, gsm8k_file)
+    # the decode loop in place of the recipe's vLLM engine, which needs vLLM (the test below builds it where vLLM is)
+    args = [*real_model_args("qwen2.5-1.5b-gsm8k-fsdp.yaml", tmp_path, tiny_model_path, gsm8k_file), "--model.init_args.engine=null"]
     cli = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ModelParallelStrategy)

@@ -17,11 +17,11 @@ SCRIPT = Path(__file__).parent / "split_step.py"
 OBJECTIVES = ["GRPO", "DFPOMin"]
 
 
-def train(tmp_path, devices: int, strategy: str) -> dict:
+def train(tmp_path, devices: int, strategy: str, *options: str) -> dict:
     out = tmp_path / f"{strategy}-{devices}.pt"
     subprocess.run(
         [sys.executable, str(SCRIPT), str(out), f"--devices={devices}", f"--strategy={strategy}", "--steps=3",
-         "--kl-coef=0.05", "--objectives", *OBJECTIVES],
+         "--kl-coef=0.05", *options, "--objectives", *OBJECTIVES],
         check=True, capture_output=True, timeout=300,
     )
     return torch.load(out)
@@ -47,6 +47,19 @@ def test_two_processes_reach_the_parameters_of_one(one_process, tmp_path, strate
         total = whole["local_parameters"]
         expected = total if strategy == "ddp" else total / 2
         assert abs(split["local_parameters"] - expected) <= 0.01 * total, name
+        assert split["in_forward"] == {torch.float32}, name
+
+
+def test_fsdp2_under_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards_gradients_and_direction(one_process, tmp_path):
+    two = train(tmp_path, 2, "fsdp2", "--precision=bf16-mixed")
+    for name in OBJECTIVES:
+        split, whole = two[name], one_process[name]
+        assert split["in_forward"] == {torch.bfloat16}, name
+        assert split["sharded"] == split["gradients"] == {torch.float32}, name
+        # bfloat16 keeps 8 significant bits: the step's gradient is float32's up to rounding, not another direction
+        cosine = torch.nn.functional.cosine_similarity(split["gradient"], whole["gradient"], dim=0)
+        assert cosine > 0.99, (name, cosine)
+        assert abs(split["gradient"].norm() / whole["gradient"].norm() - 1) < 0.05, name
 
 
 def test_lightnings_fsdp_v1_strategy_is_refused_where_the_module_is_sharded():
