@@ -21,7 +21,8 @@ def test_importing_the_callbacks_loads_neither_the_models_nor_the_rest_of_the_pa
     assert not roots & {"peft", "datasets", "jsonargparse", "safetensors"}
     ours = {name for name in listing if name.startswith("lit_cancel")}
     assert ours == {"lit_cancel", "lit_cancel.callbacks", *(f"lit_cancel.callbacks.{f}" for f in
-                    ("entropy_collapse", "learning_tax", "rollout_samples", "solution_drift", "token_flip"))}
+                    ("diagnoses", "doctor_rules", "entropy_collapse", "learning_tax", "rollout_samples", "run_doctor", "solution_drift",
+                     "token_flip"))}
 
 
 def test_every_public_name_resolves_and_is_listed():

@@ -1,0 +1,319 @@
+"""The run doctor's rules (registered in :data:`diagnoses.RULES` on import), most fundamental cause first.
+
+Each threshold is a class attribute; docs/doctor.md says where each came from (the calibration runs of
+``benchmarks/doctor.py``). Trends compare the first and the last quarter of a series (:func:`diagnoses.head`,
+:func:`diagnoses.tail`), so a rule judges a run that has logged at least ``min_points`` values of what it needs.
+"""
+
+import math
+import statistics
+
+from .diagnoses import Finding, Rule, RunHistory, head, mean, register, tail
+
+
+def _steps(history: RunHistory, name: str, share: float = 0.25) -> str:
+    steps = tail(history.steps(name), share)
+    return f"steps {steps[0]}-{steps[-1]}"
+
+
+def _accuracy(history: RunHistory) -> tuple[str, float] | None:
+    """The late accuracy, or the late reward when no accuracy is logged, with the series' name."""
+    for name in ("rollout/accuracy", "rollout/reward_mean"):
+        if name in history:
+            return name, mean(tail(history.values(name)))
+    return None
+
+
+@register
+class RewardIgnoresAnswer(Rule):
+    """The reward does not follow correctness: over the rollouts of a step, reward and correctness are uncorrelated
+    (``rollout/reward_correct_corr``), while the rewards do vary. A reward function that scores format or length, or
+    that reads the wrong field, trains the policy on something else than the task."""
+
+    name = "reward_ignores_answer"
+    needs = ("rollout/reward_correct_corr",)
+    rank = 10
+    max_correlation = 0.2
+
+    def check(self, history: RunHistory) -> Finding | None:
+        correlation = mean(tail(history.values("rollout/reward_correct_corr"), 0.5))
+        if correlation >= self.max_correlation:
+            return None
+        return self.finding(
+            "severe",
+            cause="The reward does not follow correctness: the policy is trained on something else than the task.",
+            evidence=f"rollout/reward_correct_corr averages {correlation:.2f} over {_steps(history, 'rollout/reward_correct_corr', 0.5)} "
+            f"(threshold {self.max_correlation}).",
+            remedy="check the task's reward function (reward_fn) on a few completions by hand: it must score the answer.",
+            strength=self.max_correlation - correlation,
+            history=history,
+        )
+
+
+@register
+class NoRewardDifference(Rule):
+    """Most groups get one reward for every completion, so their advantages, and their gradient, are zero: the prompts
+    are too easy (all solved) or too hard (all failed) for the policy, or the reward never changes."""
+
+    name = "no_reward_difference"
+    needs = ("rollout/frac_zero_std_groups",)
+    rank = 20
+    warn_share = 0.6
+    severe_share = 0.9
+    solved = 0.8  # late accuracy above which the prompts count as too easy
+    failed = 0.2  # and below which as too hard
+
+    def check(self, history: RunHistory) -> Finding | None:
+        share = mean(tail(history.values("rollout/frac_zero_std_groups")))
+        if share < self.warn_share:
+            return None
+        severity = "severe" if share >= self.severe_share else "warning"
+        evidence = (f"rollout/frac_zero_std_groups averages {share:.2f} over {_steps(history, 'rollout/frac_zero_std_groups')} "
+                    f"(threshold {self.warn_share})")
+        level = _accuracy(history)
+        rewards = history.values("rollout/reward_mean")
+        if rewards and len(set(rewards)) == 1 and share >= self.severe_share:
+            cause, remedy = (
+                f"Every rollout gets the same reward ({rewards[0]:g}): the reward does not depend on the completion.",
+                "check the task's reward function on a correct and a wrong completion: it must score them apart.",
+            )
+        elif level is not None and level[1] >= self.solved:
+            cause, remedy = (
+                "The prompts are too easy: most groups solve every sample, so they carry no advantage.",
+                "train on harder prompts (or drop solved ones: data.init_args.dynamic_sampling true).",
+            )
+            evidence += f"; {level[0]} is {level[1]:.2f}"
+        elif level is not None and level[1] <= self.failed:
+            cause, remedy = (
+                "The prompts are too hard: most groups fail every sample, so they carry no advantage.",
+                "train on easier prompts, warm-start with SFT, or raise data.init_args.group_size so that some samples succeed.",
+            )
+            evidence += f"; {level[0]} is {level[1]:.2f}"
+        else:
+            cause, remedy = (
+                "Most groups get one reward for all their samples, so they carry no advantage.",
+                "make the reward finer (partial credit), raise data.init_args.group_size, or drop such groups "
+                "(data.init_args.dynamic_sampling true).",
+            )
+        return self.finding(severity, cause, evidence + ".", remedy, strength=share, history=history)
+
+
+@register
+class LearningRateTooHigh(Rule):
+    """The reward rose and then fell back, with gradient-norm spikes: the steps are too large for the policy."""
+
+    name = "learning_rate_too_high"
+    needs = ("rollout/reward_mean",)
+    rank = 30
+    min_points = 20
+    min_fall = 0.5  # share of the rise that is lost again
+    min_rise = 0.05  # in reward units: a rise smaller than this is noise
+    spike = 10.0  # late maximum gradient norm over the early median
+
+    def check(self, history: RunHistory) -> Finding | None:
+        rewards = history.values("rollout/reward_mean")
+        window = max(3, len(rewards) // 10)
+        smooth = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
+        start, peak, end = smooth[0], max(smooth), mean(tail(rewards))
+        rise, fall = peak - start, peak - end
+        if rise < self.min_rise or fall < self.min_fall * rise:
+            return None
+        evidence = (f"rollout/reward_mean rose from {start:.2f} to {peak:.2f} and fell to {end:.2f} over "
+                    f"{_steps(history, 'rollout/reward_mean')} (a fall of {fall / rise:.0%} of the rise; threshold {self.min_fall:.0%})")
+        norms = history.values("health/grad_norm")
+        if norms:
+            jump = max(tail(norms, 0.75)) / max(statistics.median(head(norms)), 1e-12)
+            if jump < self.spike:
+                return None
+            evidence += f"; health/grad_norm peaked at {jump:.0f}x its early median (threshold {self.spike:g}x)"
+        lr = mean(tail(history.values("lr"))) if "lr" in history else None
+        remedy = "lower the learning rate 3-10x" + (f" (from {lr:.2g})" if lr else "") + ", or add warm-up."
+        return self.finding("severe", "The learning rate is too high: the reward rose, then fell back.", evidence + ".", remedy,
+                            strength=fall / rise, history=history)
+
+
+@register
+class Truncation(Rule):
+    """Many completions are cut at ``max_new_tokens``: they rarely earn a reward, and their credit goes to unfinished
+    text."""
+
+    name = "truncation"
+    needs = ("rollout/frac_truncated",)
+    rank = 40
+    warn_share = 0.2
+    severe_share = 0.5
+
+    def check(self, history: RunHistory) -> Finding | None:
+        share = mean(tail(history.values("rollout/frac_truncated")))
+        if share < self.warn_share:
+            return None
+        evidence = (f"rollout/frac_truncated averages {share:.2f} over {_steps(history, 'rollout/frac_truncated')} "
+                    f"(threshold {self.warn_share})")
+        if "rollout/reward_truncated" in history and "rollout/reward_finished" in history:
+            evidence += (f"; truncated completions earn {mean(tail(history.values('rollout/reward_truncated'))):.2f} "
+                         f"against {mean(tail(history.values('rollout/reward_finished'))):.2f} for finished ones")
+        limit = history.settings.get("max_new_tokens")
+        remedy = (f"raise model.init_args.max_new_tokens (now {limit:g}) to about {2 * limit:g}" if limit
+                  else "raise the completion limit (max_new_tokens) about 2x") + ", or penalise length in the reward."
+        return self.finding("severe" if share >= self.severe_share else "warning",
+                            "Completions are cut off at max_new_tokens.", evidence + ".", remedy, strength=share, history=history)
+
+
+@register
+class KLDominates(Rule):
+    """The KL term to the reference carries most of the per-token credit: the policy is held at the reference."""
+
+    name = "kl_dominates"
+    needs = ("objective/kl_share",)
+    rank = 50
+    max_share = 0.5
+
+    def check(self, history: RunHistory) -> Finding | None:
+        share = mean(tail(history.values("objective/kl_share")))
+        if share < self.max_share:
+            return None
+        coef = history.settings.get("kl_coef")
+        remedy = (f"lower objective.init_args.kl_coef (now {coef:g}) about 10x, or to 0" if coef
+                  else "lower the KL coefficient (beta) about 10x, or to 0")
+        return self.finding(
+            "warning", "The KL penalty dominates the update: the policy is pinned to the reference.",
+            f"objective/kl_share averages {share:.2f} over {_steps(history, 'objective/kl_share')} (threshold {self.max_share}).",
+            remedy + ".", strength=share, history=history,
+        )
+
+
+@register
+class PolicyFrozen(Rule):
+    """The parameters barely move per step while the rewards do differ within groups: the learning rate is too low
+    (or the optimizer does not reach the policy's parameters)."""
+
+    name = "learning_rate_too_low"
+    needs = ("health/update_ratio",)
+    rank = 60
+    max_ratio = 1e-6
+    max_zero_std = 0.6  # with more groups than this without a reward difference, another rule explains the stall
+
+    def check(self, history: RunHistory) -> Finding | None:
+        ratio = statistics.median(tail(history.values("health/update_ratio"), 0.5))
+        if ratio >= self.max_ratio:
+            return None
+        if "rollout/frac_zero_std_groups" in history and mean(tail(history.values("rollout/frac_zero_std_groups"))) >= self.max_zero_std:
+            return None
+        lr = mean(tail(history.values("lr"))) if "lr" in history else None
+        return self.finding(
+            "warning", "The learning rate is too low: the policy barely moves.",
+            f"health/update_ratio has a median of {ratio:.1e} over {_steps(history, 'health/update_ratio', 0.5)} "
+            f"(threshold {self.max_ratio:.0e}).",
+            "raise the learning rate about 10x" + (f" (from {lr:.2g})" if lr else "") + ".",
+            strength=math.log10(self.max_ratio / max(ratio, 1e-30)), history=history,
+        )
+
+
+@register
+class SamplerMismatch(Rule):
+    """The sampler's log-probs differ from the trainer's beyond bfloat16 rounding: the rollouts come from another
+    policy than the one trained (stale or wrong weights in the engine, another dtype, another temperature)."""
+
+    name = "sampler_mismatch"
+    needs = ("rollout/logprob_mismatch",)
+    rank = 70
+    min_points = 3
+    max_mismatch = 0.05
+
+    def check(self, history: RunHistory) -> Finding | None:
+        mismatch = mean(tail(history.values("rollout/logprob_mismatch")))
+        if mismatch < self.max_mismatch:
+            return None
+        return self.finding(
+            "warning", "The sampler's log-probs differ from the trainer's: rollouts come from another policy.",
+            f"rollout/logprob_mismatch averages {mismatch:.3f} per token over {_steps(history, 'rollout/logprob_mismatch')} "
+            f"(threshold {self.max_mismatch}, bfloat16 rounding).",
+            "check that the engine receives each step's weights and samples at the trainer's temperature; sample in "
+            "float32 (engine dtype) or correct for it (objective correction: TokenTruncate).",
+            strength=mismatch / self.max_mismatch, history=history,
+        )
+
+
+@register
+class StaleRollouts(Rule):
+    """Rollouts trained on are older than the run allows."""
+
+    name = "stale_rollouts"
+    needs = ("rollout/staleness_max",)
+    rank = 75
+    min_points = 3
+    default_bound = 2
+
+    def check(self, history: RunHistory) -> Finding | None:
+        bound = history.settings.get("max_staleness", self.default_bound)
+        worst = max(history.values("rollout/staleness_max"))
+        if worst <= bound:
+            return None
+        return self.finding(
+            "warning", "Rollouts are staler than the run's bound.",
+            f"rollout/staleness_max reached {worst:g} rounds (bound {bound:g}).",
+            "lower the engine's max_staleness, or add rollout servers so that sampling keeps up with training.",
+            strength=worst / max(bound, 1), history=history,
+        )
+
+
+@register
+class EntropyCollapse(Rule):
+    """The policy's entropy on its rollouts fell to a small share of its start: samples in a group become one."""
+
+    name = "entropy_collapse"
+    needs = ("health/entropy",)
+    rank = 80
+    min_ratio = 0.1
+    low_temperature = 0.8
+    high_tax = 0.5
+
+    def check(self, history: RunHistory) -> Finding | None:
+        entropy = history.values("health/entropy")
+        start, end = mean(head(entropy)), mean(tail(entropy))
+        if start <= 0 or end / start >= self.min_ratio:
+            return None
+        evidence = (f"health/entropy fell from {start:.3f} to {end:.3f} ({end / start:.0%} of its start; threshold "
+                    f"{self.min_ratio:.0%}) by {_steps(history, 'health/entropy')}")
+        temperature = history.settings.get("temperature")
+        tax = mean(tail(history.values("health/learning_tax"))) if "health/learning_tax" in history else None
+        if temperature is not None and temperature < self.low_temperature:
+            cause = f"Entropy collapsed, sharpened by sampling at temperature {temperature:g}."
+            remedy = "sample at temperature 1.0 (model.init_args.temperature)."
+        elif tax is not None and tax >= self.high_tax:
+            cause = "Entropy collapsed under a high learning tax (uncancelled credit on shared tokens)."
+            remedy = "use an objective whose shared-token credit cancels (DrGRPO, DFPOMin) and keep each group in one mini-batch."
+            evidence += f"; health/learning_tax averages {tax:.2f}"
+        else:
+            cause = "Entropy collapsed: the policy became nearly deterministic on its rollouts."
+            remedy = "lower the learning rate, raise the upper clip (clip_eps_high, as DAPO), or add an entropy bonus (entropy_coef)."
+        return self.finding("warning", cause, evidence + ".", remedy, strength=1 - end / start, history=history)
+
+
+@register
+class LearningTaxDrift(Rule):
+    """Much of each update's credit is left uncancelled on tokens a group shares, and the preference among solutions
+    drifts: the learning tax moves the policy where the reward does not ask it to."""
+
+    name = "learning_tax_drift"
+    needs = ("health/learning_tax",)
+    rank = 90
+    min_points = 3
+    max_tax = 0.5
+    min_drift = 0.5  # preference entropy left, as a share of its start
+
+    def check(self, history: RunHistory) -> Finding | None:
+        tax = mean(tail(history.values("health/learning_tax")))
+        if tax < self.max_tax:
+            return None
+        evidence = (f"health/learning_tax averages {tax:.2f} over {_steps(history, 'health/learning_tax')} (threshold {self.max_tax})")
+        if "health/drift_preference_entropy_ratio" in history:
+            drift = mean(tail(history.values("health/drift_preference_entropy_ratio")))
+            if drift > self.min_drift:
+                return None
+            evidence += f"; health/drift_preference_entropy_ratio fell to {drift:.2f} (threshold {self.min_drift})"
+        return self.finding(
+            "warning", "A high learning tax drifts the policy: shared-token credit does not cancel.", evidence + ".",
+            "use an objective whose shared-token credit cancels (DrGRPO, DFPOMin), and keep each group in one mini-batch "
+            "(the reward-balanced batching).", strength=tax, history=history,
+        )
