@@ -48,6 +48,8 @@ SERIES = {
     "objective/kl_share": "share of the per-token credit that comes from the KL term",
     "objective/clip_frac_low": "share of tokens clipped at 1 - eps (negative advantage)",
     "objective/clip_frac_high": "share of tokens clipped at 1 + eps (positive advantage)",
+    "objective/clip_frac": "share of tokens clipped at either end (verl logs only this)",
+    "objective/approx_kl": "KL between the policy that sampled the step's rollouts and the policy being updated, per token",
     "lr": "learning rate",
     "val/accuracy": "held-out accuracy",
 }

@@ -1,4 +1,4 @@
-"""The ``lit-cancel`` command: ``LightningCLI`` with the project's modules and links; ``export``, ``audit-objective`` and ``serve``.
+"""``lit-cancel``: ``LightningCLI`` with the project's modules and links; ``export``, ``audit-objective``, ``serve``, ``diagnose``.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
 a checkpoint of the wrong kind, sizes that do not fit) ends the command with a short message naming
@@ -41,7 +41,8 @@ DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 OTHER_COMMANDS = (
     "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
     "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
-    "for a config's model. Add --help to any of them for its options."
+    "for a config's model; 'lit-cancel diagnose' names why a run is not learning, from its TensorBoard files. "
+    "Add --help to any of them for its options."
 )
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
@@ -406,7 +407,7 @@ def quiet_dependencies() -> None:
 
 
 def main() -> None:
-    """The ``lit-cancel`` console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective`` and ``serve``."""
+    """The console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective``, ``serve``, ``diagnose``."""
     quiet_dependencies()
     command = sys.argv[1:2]
     excepthook = threading.excepthook
@@ -415,6 +416,10 @@ def main() -> None:
     try:
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))
+        if command == ["diagnose"]:
+            from lit_cancel import diagnose
+
+            sys.exit(diagnose.main(sys.argv[2:]))
         if command == ["export"]:
             from lit_cancel.export import export
 

@@ -1,0 +1,124 @@
+"""``lit-cancel diagnose RUN_DIR``: why a run is not learning, read from its TensorBoard event files.
+
+Exit status 0 when no rule found a cause, 1 when one did, 2 when the run folder cannot be read (or an option is
+wrong), with one line saying why.
+"""
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from lit_cancel.callbacks.diagnoses import SERIES, Finding, Rule, RunHistory, diagnose, rules_named
+from lit_cancel.run_history import RunReadError, event_files, read_run
+
+FRAMEWORK_NAMES = {"lit_cancel": "lit_cancel", "trl": "TRL", "verl": "verl"}
+
+
+def not_run(rules: list[Rule], history: RunHistory) -> dict[str, str]:
+    """Why each of ``rules`` that does not apply to ``history`` could not run, by rule name."""
+    reasons = {}
+    for rule in rules:
+        if not rule.applies(history):
+            missing = [name for name in rule.needs if name not in history]
+            reasons[rule.name] = f"no {', '.join(missing)}" if missing else f"fewer than {rule.min_points} points"
+    return reasons
+
+
+def report(run_dir: str, history: RunHistory, findings: list[Finding], rules: list[Rule], files: int) -> dict[str, Any]:
+    """What ``--json`` prints: the run, its framework and series, the findings (most likely cause first), and the
+    rules that could not run.
+
+    Args:
+        run_dir: the folder as the command was given it.
+        history: the run's series, as diagnosed.
+        findings: what ``rules`` found in ``history``, most likely cause first.
+        rules: the diagnoses asked for.
+        files: how many event files were read.
+    """
+    steps = sorted({step for series in history.series.values() for step in series.steps})
+    return {
+        "run": run_dir,
+        "framework": history.framework,
+        "event_files": files,
+        "steps": {"first": steps[0], "last": steps[-1], "logged": len(steps)} if steps else None,
+        "settings": history.settings,
+        "findings": [finding.to_dict() for finding in findings],
+        "series_found": [name for name in SERIES if name in history],
+        "series_missing": [name for name in SERIES if name not in history],
+        "rules_run": [rule.name for rule in rules if rule.applies(history)],
+        "rules_not_run": not_run(rules, history),
+    }
+
+
+def print_report(summary: dict[str, Any], console: Console) -> None:
+    """The report a person reads: the run, then the findings, the most likely cause first, then what was missing."""
+    steps = summary["steps"]
+    read = f"steps {steps['first']}-{steps['last']} ({steps['logged']} logged)" if steps else "no steps"
+    console.print(f"[bold]run[/] {escape(summary['run'])}")
+    files = f"{summary['event_files']} event file{'s' if summary['event_files'] != 1 else ''}"
+    console.print(f"[bold]framework[/] {FRAMEWORK_NAMES[summary['framework']]}, {files}, "
+                  f"{len(summary['series_found'])} of {len(SERIES)} series, {read}")
+    if summary["settings"]:
+        console.print("[bold]settings[/] " + ", ".join(f"{name} {value:g}" for name, value in summary["settings"].items()))
+    findings = summary["findings"]
+    if not findings:
+        ran, total = len(summary["rules_run"]), len(summary["rules_run"]) + len(summary["rules_not_run"])
+        said = f"the {ran} of {total} diagnoses that could run found no cause" if ran else "no diagnosis could run"
+        console.print(f"[green]no finding[/]: {said}")
+    else:
+        console.print(f"[bold]most likely cause[/]: {escape(findings[0]['cause'])}")
+        for number, finding in enumerate(findings, 1):
+            colour = "red" if finding["severity"] == "severe" else "yellow"
+            console.print(f"{number}. [{colour}]{finding['severity']}[/] {escape(finding['cause'])} "
+                          f"[dim]({finding['rule']}, step {finding['step']})[/]")
+            for part in ("evidence", "remedy"):  # indented as they wrap
+                lines = textwrap.fill(f"{part} {finding[part]}", max(console.width, 40), initial_indent="   ", subsequent_indent="   ")
+                console.print(escape(lines).replace(part, f"[bold]{part}[/]", 1), soft_wrap=True)
+    if summary["series_missing"]:
+        console.print(f"[dim]series not found: {', '.join(summary['series_missing'])}[/]")
+    if summary["rules_not_run"]:
+        console.print("[dim]rules that could not run: "
+                      + "; ".join(f"{name} ({why})" for name, why in summary["rules_not_run"].items()) + "[/]")
+
+
+def refuse(reason: str) -> int:
+    """Says in one line why nothing was diagnosed; the exit status 2."""
+    sys.stderr.write(f"lit-cancel diagnose: {reason}\n")
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    """``lit-cancel diagnose RUN_DIR [--json] [--rules NAME ...] [--at-step N]``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="lit-cancel diagnose",
+        description="Names why an RL run is not learning, from the TensorBoard event files of a lit_cancel, TRL (GRPOTrainer) "
+        "or verl run. Exit status: 0 nothing found, 1 a cause found, 2 the folder cannot be read.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder of the run's event files, or a folder above it")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of the report")
+    parser.add_argument("--rules", nargs="+", metavar="NAME", help="run these diagnoses only (default: all)")
+    parser.add_argument("--at-step", type=int, metavar="N", help="diagnose the run as it was at step N")
+    args = parser.parse_args(argv)
+    try:
+        rules = rules_named(args.rules)
+    except ValueError as error:
+        return refuse(f"--rules: {error}")
+    try:
+        history = read_run(args.run_dir)
+    except RunReadError as error:
+        return refuse(str(error))
+    if args.at_step is not None:
+        history = history.upto(args.at_step)
+    findings = diagnose(history, rules)
+    summary = report(args.run_dir, history, findings, rules, len(event_files(Path(args.run_dir))))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print_report(summary, Console(highlight=False))
+    return 1 if findings else 0
