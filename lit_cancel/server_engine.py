@@ -21,6 +21,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 import torch
@@ -31,7 +33,7 @@ from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingO
 from lit_cancel.vllm_engine import (
     _VLLM_OPTIONS,
     engine_dtype,
-    merged_state_dict,
+    merged_weights,
     prompt_seeds,
     sampled_completions,
     sampling_options,
@@ -62,14 +64,17 @@ def _in_background(function, *args) -> Future:
     return future
 
 
-def write_weights(weights: dict[str, Tensor], folder: str) -> None:
-    """Writes ``weights`` as ``folder/model.safetensors``, whole or not at all (written aside, then renamed)."""
+def write_weights(weights: Iterable[tuple[str, Tensor]], folder: str) -> None:
+    """Writes ``weights``, ``(name, tensor)`` pairs such as :func:`~lit_cancel.vllm_engine.merged_weights` yields, as
+    ``folder/model.safetensors``, whole or not at all (written aside, then renamed). Each tensor is moved to host memory
+    as it comes: a GPU holds one of them at a time."""
     from safetensors.torch import save_file
 
     seen, tensors = set(), {}
-    for name, tensor in weights.items():
+    for name, tensor in weights:
+        tensor = tensor.to("cpu").contiguous()
         storage = tensor.untyped_storage().data_ptr()
-        tensors[name] = tensor.contiguous().clone() if storage in seen else tensor.contiguous()  # tied weights share one
+        tensors[name] = tensor.clone() if storage in seen else tensor  # tied weights share one
         seen.add(storage)
     partial = f"{folder}.partial"
     os.makedirs(partial, exist_ok=True)
@@ -229,7 +234,7 @@ class VLLMServerEngine(RolloutEngine):
         dtype = self._dtype(module)
         config.save_pretrained(folder)
         module.tokenizer.save_pretrained(folder)
-        write_weights(merged_state_dict(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
+        write_weights(merged_weights(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
         os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
         on_cpu = module.device.type == "cpu"
         kv_bytes = self.kv_cache_memory_bytes or (2**30 if on_cpu else None)
@@ -282,7 +287,7 @@ class VLLMServerEngine(RolloutEngine):
             if self.step is not None and oldest_step <= self.step:
                 future.exception()
         step = module.global_step
-        weights = merged_state_dict(module.policy.model, getattr(torch, self._dtype(module)))  # every process: gathers shards
+        weights = merged_weights(module.policy.model, getattr(torch, self._dtype(module)))
         label = version_label(self.run, len(self.pushed))
         folder = os.path.join(self.weights_dir, label.replace("/", "-"))
         self.pushed[label] = step
@@ -294,6 +299,8 @@ class VLLMServerEngine(RolloutEngine):
                     client.load_weights(folder, label)
                 except ServerError:  # a server that is down gets the weights when it answers again (_current)
                     pass
+        else:  # every process takes part in each gather of a sharded weight, rank 0 alone keeps them
+            deque(weights, maxlen=0)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         previous = self.folder

@@ -19,11 +19,13 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lit_cancel.engines import RolloutEngine, Sampled
 
@@ -89,34 +91,53 @@ def prompt_seeds(prompts: int, num_samples: int) -> list[int]:
     return [first_seed + index * num_samples for index in range(prompts)]
 
 
-def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The weights of ``model`` as its Hugging Face checkpoint names them, LoRA adapters merged, full tensors,
-    floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every weight it has to cast).
+def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The weights of ``model`` one at a time, as ``(name, tensor)`` under its Hugging Face checkpoint names, LoRA
+    adapters merged, full tensors, floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every
+    weight it has to cast).
 
     A peft model's names lose their ``base_model.model.`` prefix and ``.base_layer``; each adapted
     layer's weight is its base weight plus the adapter's ``B A * scaling``; the adapters themselves
-    are left out. The model is not changed. Sharded (FSDP2) parameters are gathered in full on every
-    process. Tied weights appear under both names, as ``state_dict`` lists them.
+    are left out. The model is not changed. Tied weights appear under both names, as ``state_dict``
+    lists them.
+
+    Sharded (FSDP2) parameters are gathered one at a time, when the next weight is asked for, and the
+    generator keeps no reference to a weight it has yielded: a consumer that drops each weight after use
+    holds one gathered weight at a time, not the whole model. Each gather is a collective, so every
+    process must iterate to the end, in step with the others. vLLM's ``reload_weights`` is such a
+    consumer: its ``model.load_weights`` pulls the weights in turn and keeps those of a fused layer
+    (q, k and v) until the layer is whole (``model_loader/reload/inplace.py`` and ``layerwise.py``, vLLM 0.32).
+
+    Args:
+        model: the policy's model, a Hugging Face or peft model, sharded or not.
+        dtype: the dtype of the floating-point weights yielded; None keeps the model's.
     """
-    deltas = {}
+    adapted = {}
     if hasattr(model, "peft_config"):
         from peft.tuners.lora import LoraLayer
 
-        for name, module in model.named_modules():
-            if isinstance(module, LoraLayer):
-                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters if adapter in module.lora_A)
-                deltas[f"{name}.base_layer.weight"] = delta
-    weights = {}
+        adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     for name, tensor in model.state_dict().items():
-        if ".lora_" in name:
-            continue
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        if name in deltas:
-            tensor = tensor + deltas[name].to(tensor.dtype)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        weights[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor.detach()
-    return weights
+        if ".lora_" not in name:
+            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), _merged(tensor, adapted.get(name), dtype)
+
+
+@torch.no_grad()  # not on merged_weights: torch's wrapper of a generator holds each item until the next is made
+def _merged(tensor: Tensor, layer: nn.Module | None, dtype: torch.dtype | None) -> Tensor:
+    """``tensor`` plus the deltas of ``layer``'s active adapters (if any), gathered if sharded, cast to ``dtype``.
+
+    Under FSDP2 the adapters are sharded like the base weight, so peft's ``get_delta_weight`` is a DTensor too: the sum
+    is taken on the shards and gathered once.
+    """
+    if layer is not None:
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor
 
 
 def engine_dtype(dtype: str | None, parameter_dtype: torch.dtype, device: torch.device) -> str:
@@ -151,9 +172,9 @@ class VLLMEngine(RolloutEngine):
 
     Weights are pushed to the engine before the first rollout after the policy changed (each round,
     at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
-    merged for the push, the policy keeps them unmerged. Under FSDP2 every process gathers the full
-    weights and drives its own engine. The module's ``temperature``, ``top_p``, ``max_new_tokens``
-    and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
+    merged for the push, the policy keeps them unmerged. Under FSDP2 every process gathers the weights
+    one by one as vLLM loads them (:func:`merged_weights`) and drives its own engine. The module's ``temperature``,
+    ``top_p``, ``max_new_tokens`` and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
     are honoured; any other generation option is refused when the module is built. Each call's
     sampling seed is drawn from torch's generator, which the datamodule seeds per round, so runs
     repeat.
@@ -320,8 +341,8 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             self.build(module)
         self._wake()
-        weights = merged_state_dict(module.policy.model, self.llm.model_config.dtype)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        weights = merged_weights(module.policy.model, self.llm.model_config.dtype)  # gathered one by one as vLLM loads them
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 

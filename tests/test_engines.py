@@ -149,11 +149,11 @@ def test_the_cuda_generators_vllm_seeds_are_put_back_when_cuda_is_initialised(mo
 
 
 def test_weights_are_pushed_in_the_engines_dtype():
-    from lit_cancel.vllm_engine import merged_state_dict
+    from lit_cancel.vllm_engine import merged_weights
 
     model = torch.nn.Linear(2, 2)
-    assert {t.dtype for t in merged_state_dict(model).values()} == {torch.float32}
-    assert {t.dtype for t in merged_state_dict(model, torch.bfloat16).values()} == {torch.bfloat16}
+    assert {t.dtype for _, t in merged_weights(model)} == {torch.float32}
+    assert {t.dtype for _, t in merged_weights(model, torch.bfloat16)} == {torch.bfloat16}
 
 
 def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes(monkeypatch):

@@ -28,7 +28,7 @@ from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheck
 from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRolloutError, parse_result  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.server_engine import VLLMServerEngine, write_weights  # noqa: E402
-from lit_cancel.vllm_engine import merged_state_dict  # noqa: E402
+from lit_cancel.vllm_engine import merged_weights  # noqa: E402
 from lit_cancel.vllm_server import ServerClient, ServerError, free_port, server_command, start_server, wait_until_healthy  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-server.yaml"
@@ -134,7 +134,7 @@ def test_suppressed_tokens_reach_the_server_as_a_logit_bias(server):
 def test_a_result_from_weights_this_run_did_not_push_or_older_than_allowed_is_refused(server, model_folder, tmp_path):
     client = ServerClient(server)
     module = RLModule("embedded:tiny-adder")
-    write_weights(merged_state_dict(module.policy.model, torch.float32), str(tmp_path / "weights"))
+    write_weights(merged_weights(module.policy.model, torch.float32), str(tmp_path / "weights"))
     client.load_weights(str(tmp_path / "weights"), "runA/1")
     options = SamplingOptions(1.0, 1.0, 8, (module.tokenizer.eos_token_id,))
     request = RolloutRequest(tuple(module.tokenizer("12+34=")["input_ids"]), 2, options, 7, oldest_step=3)

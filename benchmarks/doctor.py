@@ -1,0 +1,151 @@
+"""Planted faults: does the run doctor name the cause a config change planted, and stay silent on healthy runs?
+
+    python benchmarks/doctor.py [--seeds 0 1 2] [--steps 60] [--jobs 2] [--out runs/doctor] [--write-docs]
+    python benchmarks/doctor.py --from-runs runs/doctor      # diagnose runs made before, without training
+
+Each fault is a change to ``configs/quickstart.yaml`` that a user could make (a learning rate, a completion limit, a
+KL coefficient, a reward function, prompts of another difficulty, a sampling temperature); each healthy run is the
+quickstart or another shipped objective. Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
+steps with ``lit-cancel fit`` (the run doctor's callback is in the config), then ``lit_cancel.run_history.read_run``
+reads its event files and the rules diagnose them as ``lit-cancel diagnose`` does, at every 10th step and at the end.
+A faulty run counts as right when the first finding at the end names the planted cause; "known at" is the first
+step from which the first finding named it at every later check. A healthy run counts as right when nothing is found.
+
+The rules' thresholds were set on calibration runs of seed 100 (``--seeds 100``), not on the seeds of the table.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_cancel.callbacks.diagnoses import diagnose
+
+from lit_cancel.run_history import read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+DOCS = ROOT / "docs" / "doctor.md"
+CHECK_EVERY = 10
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: str | None  # the rule that should come first; None for a healthy run
+    overrides: tuple[str, ...]
+
+
+MODEL, TASK, DATA = "--model.init_args", "--data.init_args.task.init_args", "--data.init_args"
+CASES = [
+    Case("learning rate 50x", "learning_rate_too_high", (f"{MODEL}.optimizer.init_args.lr=0.01",)),
+    Case("learning rate / 10,000", "learning_rate_too_low", (f"{MODEL}.optimizer.init_args.lr=2e-8",)),
+    Case("max_new_tokens 20", "truncation", (f"{MODEL}.max_new_tokens=20",)),
+    Case("kl_coef 1.0", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=1.0",)),
+    Case("reward ignores the answer", "reward_ignores_answer", (f"{TASK}.reward_fn=doctor_rewards.ignores_answer",)),
+    Case("1-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=1",)),
+    Case("6-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=6",)),
+    Case("temperature 0.3", "entropy_collapse", (f"{MODEL}.temperature=0.3",)),
+    Case("quickstart", None, ()),
+    Case("DrGRPO", None, (f"{MODEL}.objective=lit_cancel.DrGRPO", f"{MODEL}.objective.init_args.length=40")),
+    Case("DFPOMin, 2 mini-batches", None, (f"{MODEL}.objective=lit_cancel.DFPOMin", f"{DATA}.mini_batches_per_round=2")),
+]
+
+
+def run_folder(out: Path, case: Case, seed: int) -> Path:
+    return out / f"{case.name.replace(' ', '_').replace('/', 'div')}-seed{seed}" / "version_0"
+
+
+def train(case: Case, seed: int, steps: int, out: Path) -> Path:
+    folder = run_folder(out, case, seed)
+    if (folder / "checkpoints" / "last.ckpt").exists():
+        return folder  # made by an earlier call
+    command = [
+        str(Path(sys.executable).parent / "lit-cancel"), "fit", "--config", str(CONFIG), f"--seed_everything={seed}", f"{DATA}.seed={seed}",
+        f"--trainer.max_steps={steps}", "--trainer.val_check_interval=1000", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.name={folder.parent.name}", *case.overrides,
+    ]
+    path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])  # doctor_rewards
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{case.name} seed {seed} failed:\n{result.stderr[-3000:]}")
+    return folder
+
+
+def judge(case: Case, folder: Path) -> dict:
+    history = read_run(folder)
+    findings = diagnose(history)
+    first = findings[0].rule if findings else None
+    known_at = None
+    if case.expected is not None:
+        checks = range(CHECK_EVERY, history.last_step + 1, CHECK_EVERY)
+        firsts = [(step, (diagnose(history.upto(step)) or [None])[0]) for step in checks]
+        for step, finding in firsts:
+            if finding is not None and finding.rule == case.expected and all(
+                later is not None and later.rule == case.expected for s, later in firsts if s >= step
+            ):
+                known_at = step
+                break
+    right = first == case.expected if case.expected is not None else not findings
+    return {"first": first, "all": [f.rule for f in findings], "right": right, "known_at": known_at}
+
+
+def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
+    lines = ["| run | planted cause | right (of seeds) | first finding per seed | known at step (median) |", "|---|---|---|---|---|"]
+    for case in CASES:
+        rows = results.get(case.name, [])
+        if not rows:
+            continue
+        firsts = ", ".join(r["first"] or "none" for r in rows)
+        known = [r["known_at"] for r in rows if r["known_at"] is not None]
+        known_text = f"{statistics.median(known):g}" if known else "-"
+        lines.append(f"| {case.name} | {case.expected or 'healthy: no finding'} | {sum(r['right'] for r in rows)}/{len(rows)} "
+                     f"| {firsts} | {known_text if case.expected else '-'} |")
+    faulty = [r for c in CASES if c.expected for r in results.get(c.name, [])]
+    healthy = [r for c in CASES if not c.expected for r in results.get(c.name, [])]
+    lines.append("")
+    lines.append(f"Faulty runs with the planted cause first: {sum(r['right'] for r in faulty)}/{len(faulty)} "
+                 f"({sum(r['right'] for r in faulty) / max(1, len(faulty)):.0%}); healthy runs without a finding: "
+                 f"{sum(r['right'] for r in healthy)}/{len(healthy)}. Seeds {', '.join(map(str, seeds))}.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "doctor")
+    parser.add_argument("--from-runs", type=Path, help="diagnose the runs under this folder; train nothing")
+    parser.add_argument("--cases", nargs="+", help="only these runs (names as in the table)")
+    parser.add_argument("--write-docs", action="store_true", help="put the table into docs/doctor.md")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.cases or c.name in args.cases]
+    out = args.from_runs or args.out
+    work = [(case, seed) for case in cases for seed in args.seeds]
+    if not args.from_runs:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda item: train(*item, args.steps, out), work))
+    results: dict[str, list[dict]] = {}
+    for case, seed in work:
+        verdict = judge(case, run_folder(out, case, seed))
+        results.setdefault(case.name, []).append(verdict)
+        print(f"{case.name} seed {seed}: {verdict['all'] or 'no finding'}", flush=True)
+    text = table(results, args.seeds)
+    print(text)
+    if args.write_docs:
+        command = f"python benchmarks/doctor.py --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}"
+        begin, end = "<!-- doctor-benchmark -->", "<!-- /doctor-benchmark -->"
+        docs = DOCS.read_text()
+        block = f"{begin}\n`{command}`\n\n{text}\n{end}"
+        start, stop = docs.index(begin), docs.index(end) + len(end)
+        DOCS.write_text(docs[:start] + block + docs[stop:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``merged_weights``: LoRA adapters merged as peft merges them, and a sharded (FSDP2) model gathered one weight at a time."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from lit_cancel.vllm_engine import merged_weights
+
+SCRIPT = Path(__file__).parent / "sharded_weights.py"
+
+
+@pytest.fixture(scope="module")
+def sharded_weights():
+    spec = importlib.util.spec_from_file_location("lit_cancel_tests_sharded_weights", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def peft_merged(sharded_weights, folder: str) -> dict[str, torch.Tensor]:
+    """peft's own merge of the LoRA model the script builds, unsharded; checked to differ from the base weights."""
+    model = sharded_weights.lora_model(folder)
+    base = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    merged = model.merge_and_unload().state_dict()
+    assert not torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], base, atol=1e-2)  # the adapters count
+    return merged
+
+
+def test_an_unsharded_lora_model_yields_peft_merged_weights(sharded_weights, model_folder):
+    expected = peft_merged(sharded_weights, model_folder)
+    weights = dict(merged_weights(sharded_weights.lora_model(model_folder), torch.bfloat16))
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert weights[name].dtype == torch.bfloat16
+        assert torch.allclose(weights[name].float(), tensor, rtol=1e-2, atol=1e-2), name
+
+
+@pytest.mark.slow
+def test_a_lora_model_sharded_over_two_processes_yields_peft_merged_weights_gathered_one_at_a_time(
+    sharded_weights, model_folder, tmp_path
+):
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), model_folder,
+         str(tmp_path / "out")],
+        check=True, capture_output=True, timeout=300,
+    )
+    expected = peft_merged(sharded_weights, model_folder)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"out.{rank}")
+        assert result["weights"].keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.allclose(result["weights"][name], tensor, rtol=1e-5, atol=1e-6), (rank, name)
+        # one gather per weight (tied ones under each name), each once the weight before it was dropped
+        assert result["alive_at_gather"] == [0] * len(expected)
