@@ -101,6 +101,27 @@ def test_a_lora_push_makes_the_engines_greedy_output_the_merged_models():
     assert completions(engine_output.input_ids, ids.shape[1], eos) == completions(merged_output, ids.shape[1], eos)
 
 
+def test_a_weight_push_holds_one_weight_at_a_time_on_the_gpu(tmp_path):
+    """merged_weights casts (and under FSDP2 gathers) one weight at a time: the push's peak is about its largest
+    weight, not the model (a dict of every weight would add the whole model in bfloat16)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_cancel.vllm_engine import merged_weights
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model", hidden=512, layers=8)).cuda()
+    sizes = [p.numel() * 2 for p in model.parameters()]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    pushed = 0
+    for _, weight in merged_weights(model, torch.bfloat16):
+        pushed += weight.numel() * weight.element_size()
+        del weight
+    peak = torch.cuda.max_memory_allocated() - before
+    assert pushed >= sum(sizes)
+    assert peak <= 2 * max(sizes) + 2**20, (peak, max(sizes), sum(sizes))
+
+
 @needs_vllm
 def test_sleep_mode_gives_the_kv_cache_back_between_rollouts():
     kv_cache = 4 * 2**30
