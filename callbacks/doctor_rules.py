@@ -51,6 +51,34 @@ class RewardIgnoresAnswer(Rule):
 
 
 @register
+class LowTemperature(Rule):
+    """Sampling at a low temperature makes a group's samples alike, so many groups get one reward for all of them."""
+
+    name = "low_temperature"
+    needs = ("rollout/frac_zero_std_groups",)
+    rank = 19
+    max_temperature = 0.8
+    min_zero_std = 0.5
+
+    def applies(self, history: RunHistory) -> bool:
+        return super().applies(history) and history.settings.get("temperature", 1.0) < self.max_temperature
+
+    def check(self, history: RunHistory) -> Finding | None:
+        temperature = history.settings["temperature"]
+        share = mean(tail(history.values("rollout/frac_zero_std_groups")))
+        if share < self.min_zero_std:
+            return None
+        evidence = (f"sampling temperature {temperature:g} (threshold {self.max_temperature:g}); rollout/frac_zero_std_groups "
+                    f"averages {share:.2f} over {_steps(history, 'rollout/frac_zero_std_groups')} (threshold {self.min_zero_std})")
+        if "health/entropy" in history:
+            evidence += f"; health/entropy averages {mean(tail(history.values('health/entropy'))):.3f}"
+        return self.finding(
+            "severe", f"Sampling at temperature {temperature:g} makes a group's samples alike: their rewards do not differ.",
+            evidence + ".", "sample at temperature 1.0 (model.init_args.temperature).", strength=share, history=history,
+        )
+
+
+@register
 class NoRewardDifference(Rule):
     """Most groups get one reward for every completion, so their advantages, and their gradient, are zero: the prompts
     are too easy (all solved) or too hard (all failed) for the policy, or the reward never changes."""
@@ -100,36 +128,56 @@ class NoRewardDifference(Rule):
 
 @register
 class LearningRateTooHigh(Rule):
-    """The reward rose and then fell back, with gradient-norm spikes: the steps are too large for the policy."""
+    """The reward fell well below the best it reached, and the policy was thrown about: large parameter updates,
+    entropy that grew, or gradient-norm spikes. Too large steps wreck what the policy could do, and the groups without
+    a reward difference, the rambling completions cut at the limit and the risen entropy that follow are symptoms."""
 
     name = "learning_rate_too_high"
     needs = ("rollout/reward_mean",)
-    rank = 30
-    min_points = 20
-    min_fall = 0.5  # share of the rise that is lost again
-    min_rise = 0.05  # in reward units: a rise smaller than this is noise
-    spike = 10.0  # late maximum gradient norm over the early median
+    rank = 15
+    min_fall = 0.5  # share of the best smoothed reward lost by the last quarter
+    min_fall_absolute = 0.1  # in reward units: a smaller fall is noise
+    update_ratio = 1e-2  # median parameter update over parameter size in the first half
+    entropy_rise = 2.0  # last-quarter entropy over first-quarter entropy
+    spike = 10.0  # largest gradient norm over the early median
+
+    def thrown_about(self, history: RunHistory) -> str | None:
+        """The evidence that the steps were too large, or None."""
+        if "health/update_ratio" in history:
+            ratio = statistics.median(head(history.values("health/update_ratio"), 0.5))
+            if ratio >= self.update_ratio:
+                return f"health/update_ratio has a median of {ratio:.2g} in the first half (threshold {self.update_ratio:g})"
+        if "health/entropy" in history:
+            entropy = history.values("health/entropy")
+            rise = mean(tail(entropy)) / max(mean(head(entropy)), 1e-12)
+            if rise >= self.entropy_rise:
+                return f"health/entropy grew {rise:.1f}x (threshold {self.entropy_rise:g}x)"
+        if "health/grad_norm" in history:
+            norms = history.values("health/grad_norm")
+            jump = max(norms) / max(statistics.median(head(norms)), 1e-12)
+            if jump >= self.spike:
+                return f"health/grad_norm peaked at {jump:.0f}x its early median (threshold {self.spike:g}x)"
+        return None
 
     def check(self, history: RunHistory) -> Finding | None:
         rewards = history.values("rollout/reward_mean")
-        window = max(3, len(rewards) // 10)
-        smooth = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
-        start, peak, end = smooth[0], max(smooth), mean(tail(rewards))
-        rise, fall = peak - start, peak - end
-        if rise < self.min_rise or fall < self.min_fall * rise:
+        before_end = rewards[: len(rewards) - len(tail(rewards))]
+        smooth = [statistics.fmean(before_end[i : i + 3]) for i in range(max(1, len(before_end) - 2))]
+        best, end = max(smooth), mean(tail(rewards))
+        fall = best - end
+        if fall < max(self.min_fall_absolute, self.min_fall * best):
             return None
-        evidence = (f"rollout/reward_mean rose from {start:.2f} to {peak:.2f} and fell to {end:.2f} over "
-                    f"{_steps(history, 'rollout/reward_mean')} (a fall of {fall / rise:.0%} of the rise; threshold {self.min_fall:.0%})")
-        norms = history.values("health/grad_norm")
-        if norms:
-            jump = max(tail(norms, 0.75)) / max(statistics.median(head(norms)), 1e-12)
-            if jump < self.spike:
-                return None
-            evidence += f"; health/grad_norm peaked at {jump:.0f}x its early median (threshold {self.spike:g}x)"
-        lr = mean(tail(history.values("lr"))) if "lr" in history else None
-        remedy = "lower the learning rate 3-10x" + (f" (from {lr:.2g})" if lr else "") + ", or add warm-up."
-        return self.finding("severe", "The learning rate is too high: the reward rose, then fell back.", evidence + ".", remedy,
-                            strength=fall / rise, history=history)
+        why = self.thrown_about(history)
+        if why is None:
+            return None
+        lr = mean(head(history.values("lr"))) if "lr" in history else None
+        return self.finding(
+            "severe", "The learning rate is too high: the reward fell back from its best, and the policy was thrown about.",
+            f"rollout/reward_mean fell from {best:.2f} to {end:.2f} by {_steps(history, 'rollout/reward_mean')} "
+            f"(threshold: a fall of {self.min_fall:.0%}); {why}.",
+            "lower the learning rate 3-10x" + (f" (from {lr:.2g})" if lr else "") + ", or add warm-up.",
+            strength=fall / max(best, 1e-12), history=history,
+        )
 
 
 @register
@@ -139,7 +187,7 @@ class Truncation(Rule):
 
     name = "truncation"
     needs = ("rollout/frac_truncated",)
-    rank = 40
+    rank = 18
     warn_share = 0.2
     severe_share = 0.5
 
@@ -190,7 +238,7 @@ class PolicyFrozen(Rule):
     name = "learning_rate_too_low"
     needs = ("health/update_ratio",)
     rank = 60
-    max_ratio = 1e-6
+    max_ratio = 1e-5
     max_zero_std = 0.6  # with more groups than this without a reward difference, another rule explains the stall
 
     def check(self, history: RunHistory) -> Finding | None:
