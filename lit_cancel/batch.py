@@ -33,11 +33,14 @@ class RolloutBatch:
             when the policy sampled them itself; the objective measures and corrects the mismatch with it.
         sampler_steps: ``[B]`` the optimizer step of the weights that sampled each row, for an engine whose
             weights may lag the trainer's (rollout servers); None: sampled by the weights being trained.
+        correct: ``[B]`` whether each completion is correct by the task's ``correct`` (1.0 or 0.0), NaN where the
+            task cannot tell; None when not recorded (batches built by hand, checkpoints written before it was).
         step_sequences: sequences in the optimizer step (all micro-batches and processes), divided
             by the number of micro-batches that Lightning and DDP average over; a loss normalised by
             it does not depend on how the step's rollouts are split.
         step_tokens: completion tokens in the optimizer step, likewise divided.
-        stats: statistics to log with this micro-batch (``rollout/...`` once per round, ``batch/...`` once per step).
+        stats: statistics to log at this micro-batch's optimizer step: the first micro-batch of each step carries
+            its round's (``rollout/...``, ``perf/...``) and its step's (``batch/...``), the others none.
     """
 
     input_ids: Tensor
@@ -52,6 +55,7 @@ class RolloutBatch:
     ref_logprobs: Tensor | None = None
     sampler_logprobs: Tensor | None = None
     sampler_steps: Tensor | None = None
+    correct: Tensor | None = None
     step_sequences: float = 0.0
     step_tokens: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
@@ -107,4 +111,5 @@ class RolloutBatch:
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
+        """The batch of :meth:`to_state`; a field the state lacks (written before the field existed) takes its default."""
         return cls(**state)

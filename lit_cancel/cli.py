@@ -267,7 +267,8 @@ class LitCancelCLI(LightningCLI):
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
-        """One call of the task's reward, so that a reward function with the wrong signature fails before the run."""
+        """One call of the task's reward and of its ``correct``, so that a reward function with the wrong signature fails
+        before the run."""
         task = getattr(self.datamodule, "task", None)
         if task is not None:
             try:

@@ -349,7 +349,8 @@ class RolloutDataModule(TaskDataModule):
 
         ``step_sequences`` and ``step_tokens`` count the whole step over all processes, divided by
         the number of micro-batches that Lightning and DDP average over, so that normalising by
-        them gives the same gradient however the step is split.
+        them gives the same gradient however the step is split. The first micro-batch of each step
+        carries the round's ``stats`` and the step's own, everything the step logs of them.
         """
         accumulation, world = self.trainer.accumulate_grad_batches, self.trainer.world_size
         device = train.input_ids.device
@@ -365,7 +366,7 @@ class RolloutDataModule(TaskDataModule):
                 batch = train.select(micro_rows.to(device))
                 batch.step_sequences = len(rows) / accumulation
                 batch.step_tokens = float(tokens[step]) / (world * accumulation)
-                batch.stats = {**(stats if step == 0 else {}), **step_stats} if micro == 0 else {}
+                batch.stats = {**stats, **step_stats} if micro == 0 else {}
                 batches.append(batch)
         return batches
 

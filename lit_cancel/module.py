@@ -19,7 +19,7 @@ from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.presets import GRPO
-from lit_cancel.rollouts import score
+from lit_cancel.rollouts import accuracy_terms
 from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
 
 _SET_ELSEWHERE = {
@@ -50,9 +50,10 @@ class PolicyModule(L.LightningModule):
     """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
 
     Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
-    ``records``; the datamodule's ``task`` gives the rewards. Logged at ``global_step`` (the steps
-    done, as the progress bar shows them): ``val/accuracy`` (mean reward of ``val_samples`` samples
-    per prompt at ``temperature``) and ``val/greedy_accuracy`` (greedy pass@1).
+    ``records``; the datamodule's ``task`` judges the completions. Logged at ``global_step`` (the steps
+    done, as the progress bar shows them): ``val/accuracy`` (share of ``val_samples`` samples per
+    prompt at ``temperature`` that are correct by the task's ``correct``, or their mean reward where
+    the task cannot tell) and ``val/greedy_accuracy`` (greedy pass@1, likewise).
 
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
@@ -202,9 +203,9 @@ class PolicyModule(L.LightningModule):
         records, size = batch["records"], len(batch["records"])
         task = self.trainer.datamodule.task
         greedy = self.rollout(batch["input_ids"], batch["attention_mask"], greedy=True)
-        self.val_greedy_accuracy.update(score(task, records, greedy.texts))
+        self.val_greedy_accuracy.update(accuracy_terms(task, records, greedy.texts))
         sampled = self.rollout(batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
-        self.val_accuracy.update(score(task, [r for r in records for _ in range(self.val_samples)], sampled.texts))
+        self.val_accuracy.update(accuracy_terms(task, [r for r in records for _ in range(self.val_samples)], sampled.texts))
         # the loggers get the values in on_validation_epoch_end, at the step the training scalars and the bar show
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples, logger=False)
         self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size, logger=False)
@@ -297,6 +298,7 @@ class RLModule(PolicyModule):
         self.max_skipped_steps = max_skipped_steps
         self.skipped_steps, self.skipped_in_a_row = 0, 0
         self.nonfinite_loss = torch.tensor(False)
+        self.step_stat_names: set[str] = set()
         # with LoRA the reference is the policy with its adapters disabled, not a second copy
         self.reference = None
         if self.objective.kl_coef > 0 and self.lora is None:
@@ -369,8 +371,23 @@ class RLModule(PolicyModule):
         self.log_dict(out.metrics, batch_size=size)
         self.log("health/entropy", (entropy * mask).sum() / mask.sum().clamp(min=1), batch_size=size)
         if batch.stats:
-            self.log_dict(batch.stats, batch_size=size)
+            self.log_step_stats(batch.stats, size)
         return {"loss": out.loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
+
+    def log_step_stats(self, stats: dict[str, float], batch_size: int) -> None:
+        """Logs the statistics of this optimizer step's rollouts (``RolloutBatch.stats``); one logged at an earlier step
+        and absent from ``stats`` (``rollout/reward_truncated`` of a round without a cut completion) is not logged.
+
+        Lightning hands a value logged in ``training_step`` to the loggers again at every later step until it is
+        logged anew (lightning/pytorch/trainer/connectors/logger_connector/result.py, ``_ResultCollection.valid_items``
+        and ``update_metrics``), so such a statistic would repeat an earlier round's value; its entry is dropped.
+        """
+        for name in self.step_stat_names - stats.keys():
+            self.trainer._results.pop(f"training_step.{name}", None)
+            self.trainer.callback_metrics.pop(name, None)
+            self.trainer.logged_metrics.pop(name, None)
+        self.step_stat_names = set(stats)
+        self.log_dict(stats, batch_size=batch_size)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Logs ``health/grad_norm`` (before clipping, which Lightning does after this hook) and skips a step whose loss or

@@ -95,6 +95,10 @@ class PolicyGradient(Objective):
     ``c_it = w~_i A_i / N_it``. The entropy bonus uses the sampled tokens' estimate
     ``grad H ~ -sum sg(logp) grad logp``, so the credit form still holds.
 
+    Logged: ``objective/kl_share``, the share of the credits' absolute mass that the KL term gives,
+    ``sum |beta dKL_it / N_it| / (sum |c_it of the policy term| + sum |beta dKL_it / N_it|)`` over the
+    micro-batch's completion tokens (the entropy bonus's left out; 0 without a KL term).
+
     When the rollouts come from an engine with its own copy of the weights (the batch carries
     ``sampler_logprobs``), the mismatch is logged (``rollout/logprob_mismatch``, ``..._max``,
     ``rollout/sampler_kl``) and, with a ``correction``, the policy-gradient term's ``1 / N_it`` is
@@ -198,11 +202,15 @@ class PolicyGradient(Objective):
             clipped_low, clipped_high = clipped.clipped_low * mask, clipped.clipped_high * mask
 
         loss, kl_loss = policy_loss, torch.zeros((), device=logprobs.device)
+        policy_mass, kl_mass = (credits * mask).abs().sum(), torch.zeros((), device=logprobs.device)
         if self.kl_coef > 0:
             kl, kl_derivative = kl_estimate(logprobs, batch.ref_logprobs, self.kl_estimator)
             kl_loss = (kl * inverse_n).sum()
             loss = loss + self.kl_coef * kl_loss
-            credits = credits - self.kl_coef * kl_derivative.detach() * inverse_n
+            kl_credits = self.kl_coef * kl_derivative.detach() * inverse_n
+            credits = credits - kl_credits
+            kl_mass = (kl_credits * mask).abs().sum()
+        mass = policy_mass + kl_mass
         if self.entropy_coef > 0:
             sampled = logprobs.detach()
             # value: alpha * sum logp / N (minus the sampled entropy estimate); gradient alpha sg(logp) grad logp / N
@@ -218,5 +226,6 @@ class PolicyGradient(Objective):
             "objective/clip_frac_high": clipped_high.sum() / tokens,
             "objective/ratio_mean": (weight.detach() * mask).sum() / tokens,
             "objective/approx_kl": (0.5 * (logprobs.detach() - old) ** 2 * mask).sum() / tokens,
+            "objective/kl_share": torch.where(mass > 0, kl_mass / mass.clamp(min=torch.finfo(mass.dtype).tiny), 0.0),
         })
         return ObjectiveOutput(loss=loss, credits=(credits * mask).detach(), metrics=metrics)

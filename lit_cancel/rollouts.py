@@ -1,9 +1,10 @@
-"""One draw of rollouts, top to bottom: prompts -> completions -> rewards -> advantages -> log-probs -> RolloutBatch.
+"""One draw of rollouts, top to bottom: prompts -> completions -> rewards (and correctness) -> advantages -> log-probs
+-> RolloutBatch.
 
 Plain functions of the policy module (which holds the tokenizer, ``rollout()``, the objective and
 the reference model), the prompt records and the task. ``RolloutDataModule`` decides which prompts
 to draw and how the result is cut into optimizer steps; validation scores its samples with
-:func:`score`.
+:func:`accuracy_terms`.
 """
 
 import math
@@ -20,7 +21,8 @@ from lit_cancel.tasks import Record, Task
 
 
 class RewardError(RuntimeError):
-    """A task's reward function raised on a completion, or returned something that is not a finite number."""
+    """A task's reward function raised on a completion, or returned something that is not a finite number; or its
+    ``correct`` raised, or returned something other than a bool or None."""
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[Record]) -> dict:
@@ -56,17 +58,60 @@ def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
     return torch.tensor(rewards)
 
 
+def checked_verdict(verdict: object, source: str, where: str) -> float:
+    """``verdict`` of a task's ``correct`` as 1.0 or 0.0 (True or False, 1 or 0, also as a numpy scalar or a
+    one-element tensor), NaN for None; anything else raises :class:`RewardError` naming ``source`` and ``where``."""
+    if isinstance(verdict, Tensor) and verdict.numel() == 1 or getattr(verdict, "shape", None) == ():
+        verdict = verdict.item()
+    if verdict is None:
+        return math.nan
+    if isinstance(verdict, numbers.Real) and verdict in (0, 1):
+        return float(verdict)
+    raise RewardError(f"{source} returned {verdict!r} ({type(verdict).__name__}), expected True, False or None, {where}")
+
+
+def correctness(task: Task, records: list[Record], completions: list[str]) -> Tensor:
+    """Whether ``completions[i]`` is correct for ``records[i]`` by ``task.correct``: 1.0, 0.0, or NaN where the task
+    cannot tell (None); a ``correct`` that raises or returns something else is named with its input."""
+    source = f"{type(task).__name__}.correct"
+    verdicts = []
+    for record, completion in zip(records, completions, strict=True):
+        where = f"on prompt {record['prompt']!r} and completion {completion!r}"
+        try:
+            verdict = task.correct(record, completion)
+        except Exception as error:
+            raise RewardError(f"{source} raised {type(error).__name__}: {error} {where}") from error
+        verdicts.append(checked_verdict(verdict, source, where))
+    return torch.tensor(verdicts)
+
+
+def accuracy_terms(task: Task, records: list[Record], completions: list[str]) -> Tensor:
+    """What ``val/accuracy`` averages: per completion 1.0 or 0.0 by ``task.correct`` where the task tells, else the
+    reward (rewards are computed only for those)."""
+    terms = correctness(task, records, completions)
+    unknown = torch.nonzero(terms.isnan()).squeeze(1).tolist()
+    if unknown:
+        terms[unknown] = score(task, [records[i] for i in unknown], [completions[i] for i in unknown])
+    return terms
+
+
 def check_reward(task: Task) -> None:
-    """Calls ``task.reward`` once, on the first training record and an empty completion.
+    """Calls ``task.reward`` and ``task.correct`` once, on the first training record and an empty completion.
 
     A reward function with the wrong signature, one that raises on an empty completion, or one that
-    returns something other than a finite number raises :class:`RewardError` here, before any training.
+    returns something other than a finite number raises :class:`RewardError` here, before any training;
+    so does a ``correct`` that raises or returns something other than a bool or None.
     """
     records = task.train_records()[:1] or task.val_records()[:1]
     try:
         score(task, records, [""])
     except RewardError as error:
         expected = "a task's reward is called as reward(record, completion) and returns a number"
+        raise RewardError(f"{error} (checked at start-up: {expected})") from error
+    try:
+        correctness(task, records, [""])
+    except RewardError as error:
+        expected = "a task's correct is called as correct(record, completion) and returns True, False or None"
         raise RewardError(f"{error} (checked at start-up: {expected})") from error
 
 
@@ -91,7 +136,9 @@ def sample_groups(
         generation = module.rollout(prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), group_size)
     seconds = time.perf_counter() - started
 
-    rewards = score(task, [r for r in records for _ in range(group_size)], generation.texts)
+    repeated = [r for r in records for _ in range(group_size)]
+    rewards = score(task, repeated, generation.texts)
+    correct = correctness(task, repeated, generation.texts)
     advantages = module.objective.advantages(rewards.view(len(records), group_size)).reshape(-1)
     with precision.forward_context():
         old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
@@ -110,6 +157,7 @@ def sample_groups(
         ref_logprobs=ref_logprobs,
         sampler_logprobs=generation.sampler_logprobs,
         sampler_steps=None if generation.sampler_steps is None else generation.sampler_steps.to(device),
+        correct=correct.to(device),
     )
     return batch, seconds - generation.sync_seconds, generation.sync_seconds, generation.stats
 
@@ -136,16 +184,22 @@ def round_stats(
     """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
 
     ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
-    completion without a token of ``stop_token_ids`` was cut at ``max_new_tokens``.
+    completion without a token of ``stop_token_ids`` was cut at ``max_new_tokens``. A statistic of
+    no rollout is left out: ``rollout/reward_truncated`` of a round without a cut completion,
+    ``rollout/reward_finished`` of one where every completion was cut, ``rollout/reward_correct_corr``
+    of one whose rewards or correctness are all equal or whose task cannot tell correctness.
     """
     rewards = sampled.rewards.view(-1, group_size)
+    flat = sampled.rewards.float()
     lengths = sampled.completion_mask.sum(1).float()
     completions = sampled.input_ids[:, sampled.prompt_length :]
     stops = torch.tensor(list(stop_token_ids), device=completions.device)
     ended = (torch.isin(completions, stops) & sampled.completion_mask.bool()).any(1)
-    return {
+    told = sampled.correct if sampled.correct is not None else torch.full_like(flat, math.nan)
+    correct = torch.where(told.isnan(), (flat > 0).float(), told.float())
+    stats = {
         "rollout/reward_mean": rewards.mean().item(),
-        "rollout/accuracy": (rewards > 0).float().mean().item(),
+        "rollout/accuracy": correct.mean().item(),
         "rollout/completion_len": lengths.mean().item(),
         "rollout/frac_truncated": (~ended).float().mean().item(),
         "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
@@ -153,3 +207,18 @@ def round_stats(
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
         "perf/weight_sync_s": sync_seconds,
     }
+    if ended.any():
+        stats["rollout/reward_finished"] = flat[ended].mean().item()
+    if not ended.all():
+        stats["rollout/reward_truncated"] = flat[~ended].mean().item()
+    known = ~told.isnan()
+    if (correlation := pearson(flat[known], told[known].float())) is not None:
+        stats["rollout/reward_correct_corr"] = correlation
+    return stats
+
+
+def pearson(x: Tensor, y: Tensor) -> float | None:
+    """The Pearson correlation of ``x`` and ``y``; None when either holds one value only (or nothing)."""
+    if len(x) < 2 or (x == x[0]).all() or (y == y[0]).all():
+        return None
+    return torch.corrcoef(torch.stack([x, y]).double())[0, 1].item()

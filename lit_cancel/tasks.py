@@ -1,9 +1,10 @@
 """Tasks: where prompts come from and how a completion is rewarded.
 
 A task hands out records (plain dicts with at least a ``"prompt"`` string), scores a completion of
-a record with a verifiable reward, and lists correct reference completions for supervised warm-up
-and drift probes. Two tasks ship: the embedded :class:`AdditionTask` and :class:`MathWordTask` for
-GSM8K-style files read through ``datasets``.
+a record with a verifiable reward, may say whether a completion is correct apart from its reward,
+and lists correct reference completions for supervised warm-up and drift probes. Two tasks ship:
+the embedded :class:`AdditionTask` and :class:`MathWordTask` for GSM8K-style files read through
+``datasets``.
 """
 
 import json
@@ -17,7 +18,15 @@ Record = dict
 
 
 class Task(ABC):
-    """A source of prompt records with a verifiable reward."""
+    """A source of prompt records with a verifiable reward.
+
+    ``correct`` says whether a completion is right, apart from the reward that trains on it (a reward may give partial
+    credit, reward a format, or be shaped). Where the task tells, ``rollout/accuracy`` and ``val/accuracy`` are shares
+    of correct completions and each round logs ``rollout/reward_correct_corr``, the correlation of reward and
+    correctness over its rollouts (not logged when either is the same for every rollout): a low value says the reward
+    does not follow correctness. Where it cannot tell (``correct`` returns None, the default), ``rollout/accuracy``
+    is the share of rewards above 0 and ``val/accuracy`` the mean reward.
+    """
 
     @abstractmethod
     def train_records(self) -> list[Record]:
@@ -35,6 +44,10 @@ class Task(ABC):
     def solutions(self, record: Record) -> list[str]:
         """Correct completions of ``record``; several where the task has equivalent solutions."""
 
+    def correct(self, record: Record, completion: str) -> bool | None:
+        """Whether ``completion`` answers ``record`` correctly, whatever its reward; None when the task cannot tell."""
+        return None
+
     def record_source(self, split: str, index: int) -> str:
         """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
         return f"{split} record {index}"
@@ -48,17 +61,23 @@ class AdditionTask(Task):
 
         7+5+0=12,4+8+1=13,0+3+1=4|432
 
-    Only the number after ``|`` is verified. The two operands of each step may be written in
-    either order, so a problem has up to ``2**num_digits`` equivalent correct solutions.
+    Only the number after ``|`` is verified: a completion is correct when it is the sum. The two
+    operands of each step may be written in either order, so a problem has up to ``2**num_digits``
+    equivalent correct solutions.
 
     Args:
         num_digits: digits per operand; operands are zero-padded, so every prompt has one length.
         train_size: number of training problems.
         val_size: number of held-out problems, disjoint from the training problems.
         seed: seed of the generator that draws both splits.
+        reward_fn: ``(record, completion) -> float``; None rewards a correct answer with 1.0 and anything else
+            with 0.0. Correctness (``rollout/accuracy``, ``val/accuracy``) is the exact answer whatever the reward.
     """
 
-    def __init__(self, num_digits: int = 3, train_size: int = 5000, val_size: int = 200, seed: int = 0):
+    def __init__(
+        self, num_digits: int = 3, train_size: int = 5000, val_size: int = 200, seed: int = 0,
+        reward_fn: Callable[[Record, str], float] | None = None,
+    ):
         if num_digits < 1:
             raise ValueError(f"AdditionTask: num_digits must be >= 1, got {num_digits}")
         if train_size < 1 or val_size < 1:
@@ -68,7 +87,7 @@ class AdditionTask(Task):
                 f"AdditionTask: {train_size + val_size} problems requested, but {num_digits}-digit operands "
                 f"allow at most {10 ** (2 * num_digits) // 2} distinct ones; lower train_size/val_size"
             )
-        self.num_digits = num_digits
+        self.num_digits, self.reward_fn = num_digits, reward_fn
         rng = random.Random(seed)
         pairs: dict[tuple[int, int], None] = {}
         while len(pairs) < train_size + val_size:
@@ -88,7 +107,10 @@ class AdditionTask(Task):
         return self._val
 
     def reward(self, record: Record, completion: str) -> float:
-        return float(parse_addition_answer(completion) == record["answer"])
+        return self.reward_fn(record, completion) if self.reward_fn is not None else float(self.correct(record, completion))
+
+    def correct(self, record: Record, completion: str) -> bool:
+        return parse_addition_answer(completion) == record["answer"]
 
     def solution(self, record: Record, swap: list[bool]) -> str:
         """The scratchpad solution; ``swap[i]`` writes step ``i``'s operands in reverse order."""
@@ -138,6 +160,7 @@ class ScaffoldedAdditionTask(AdditionTask):
         train_size: number of training problems.
         val_size: number of held-out problems, disjoint from the training problems.
         seed: seed of the generator that draws both splits and the per-problem settings.
+        reward_fn: ``(record, completion) -> float``; None: 1.0 for a correct answer, else 0.0 (see :class:`AdditionTask`).
     """
 
     def __init__(
@@ -148,11 +171,12 @@ class ScaffoldedAdditionTask(AdditionTask):
         train_size: int = 5000,
         val_size: int = 200,
         seed: int = 0,
+        reward_fn: Callable[[Record, str], float] | None = None,
     ):
         self.scaffolds = self._choices("scaffold", scaffold, len(SCAFFOLD_TEXT))
         self.spreads = self._choices("spread", spread, len(VERBOSE_TEXT))
         self._settings = random.Random(f"settings-{seed}")
-        super().__init__(num_digits, train_size, val_size, seed)
+        super().__init__(num_digits, train_size, val_size, seed, reward_fn)
 
     @staticmethod
     def _choices(name: str, value: int | list[int], limit: int) -> list[int]:
@@ -262,7 +286,8 @@ class MathWordTask(Task):
         question_field: name of the question field.
         answer_field: name of the answer field.
         prompt_template: format string for the prompt, with a ``{question}`` placeholder.
-        reward_fn: ``(record, completion) -> float``; defaults to :func:`final_number_reward`.
+        reward_fn: ``(record, completion) -> float``; defaults to :func:`final_number_reward`. Correctness
+            (``rollout/accuracy``, ``val/accuracy``) is :func:`final_number_reward`'s check whatever the reward.
     """
 
     def __init__(
@@ -348,6 +373,9 @@ class MathWordTask(Task):
 
     def reward(self, record: Record, completion: str) -> float:
         return self.reward_fn(record, completion)
+
+    def correct(self, record: Record, completion: str) -> bool:
+        return final_number_reward(record, completion) == 1.0
 
     def solutions(self, record: Record) -> list[str]:
         return [" " + record["answer"]]

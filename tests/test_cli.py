@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -69,6 +69,18 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
 def checksum_reward(record: dict, completion: str) -> float:
     """A reward that differs between random completions, so an untrained model gets non-zero advantages."""
     return float(sum(map(ord, completion)) % 7)
+
+
+def test_the_addition_task_takes_a_reward_fn_from_a_yaml_config(tmp_path):
+    reward = tmp_path / "reward.yaml"
+    reward.write_text("data:\n  init_args:\n    task:\n      init_args:\n        reward_fn: test_cli.checksum_reward\n")
+    parsed = cli.LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                              args=["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(reward)])
+    task = parsed.datamodule.task
+    record = task.train_records()[0]
+    solution = task.solutions(record)[0]
+    assert task.reward_fn is checksum_reward and task.reward(record, solution) == checksum_reward(record, solution)
+    assert task.correct(record, solution) and not task.correct(record, solution[:-1] + "x")
 
 
 def test_real_model_path_trains_from_local_folder_and_jsonl(tmp_path, tiny_model_path, gsm8k_file):

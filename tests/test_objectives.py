@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ from lit_cancel import (
     SymmetricClip,
     TokenMean,
 )
-from lit_cancel.audit import learning_tax
+from lit_cancel.audit import learning_tax, policy_gradient_part
 from lit_cancel.objectives import kl_estimate
 
 
@@ -231,6 +233,41 @@ def test_clipped_members_get_no_credit():
     assert out.metrics["objective/clip_frac_high"] == 0.5 and out.metrics["objective/clip_frac_low"] == 0.5
     out = GRPO(clip_eps=0.2)(torch.log(torch.tensor([[0.5], [0.75]])), batch)  # ratio 1.5 with A < 0 is not clipped
     assert torch.allclose(out.credits, torch.tensor([[0.5], [-0.75]]))
+
+
+def test_kl_share_by_hand():
+    # the batch above: policy credits 0.25 | -0.125, -0.125, absolute mass 0.5
+    batch = RolloutBatch(
+        input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.long),
+        completion_mask=torch.tensor([[1, 0], [1, 1]]), prompt_length=1, rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.tensor([0.5, -0.5]), group_ids=torch.tensor([0, 0]), step_sequences=2.0, step_tokens=3.0,
+    )
+    logprobs = torch.log(torch.tensor([[0.5, 0.1], [0.4, 0.3]]))
+    # k2's derivative is logp - logp_ref: 0.4 | -0.2, 0.6 (5.0 on padding); KL credits 0.5 * that / (S |y_i|):
+    # 0.1 | -0.025, 0.075, absolute mass 0.2, so the share is 0.2 / (0.5 + 0.2)
+    batch.ref_logprobs = logprobs - torch.tensor([[0.4, 5.0], [-0.2, 0.6]])
+    assert GRPO(kl_coef=0.5, kl_estimator="k2", scale_by_std=False)(logprobs, batch).metrics["objective/kl_share"] == pytest.approx(2 / 7)
+    # the entropy bonus's credits count in neither term
+    with_entropy = GRPO(kl_coef=0.5, kl_estimator="k2", scale_by_std=False, entropy_coef=0.3)(logprobs, batch)
+    assert with_entropy.metrics["objective/kl_share"] == pytest.approx(2 / 7)
+    assert GRPO(scale_by_std=False)(logprobs, batch).metrics["objective/kl_share"] == 0.0
+    # no credit at all (advantages 0, policy = reference): 0, not NaN
+    batch.advantages, batch.ref_logprobs = torch.zeros(2), logprobs.clone()
+    assert GRPO(kl_coef=0.5, kl_estimator="k2")(logprobs, batch).metrics["objective/kl_share"] == 0.0
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_kl_share_is_the_kl_terms_share_of_the_credit_mass_in_every_objective(name):
+    # off-policy, so that clipping, sequence weights and group transforms shape the policy credits
+    objective = OBJECTIVES[name]()
+    batch, logprobs = random_batch(3, 4, 7, seed=2, spread=0.3, with_ref=True)
+    without_entropy = copy.copy(objective)
+    without_entropy.entropy_coef = 0.0
+    policy = policy_gradient_part(objective)(logprobs, batch).credits
+    kl = policy - without_entropy(logprobs, batch).credits
+    expected = kl.abs().sum() / (policy.abs().sum() + kl.abs().sum())
+    assert objective(logprobs, batch).metrics["objective/kl_share"] == pytest.approx(float(expected), abs=1e-6)
+    assert (expected > 0) == (objective.kl_coef > 0)
 
 
 @pytest.mark.parametrize(

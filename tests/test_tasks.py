@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from lit_cancel.tasks import AdditionTask, MathWordTask, final_number_reward, parse_final_number
+from lit_cancel.tasks import AdditionTask, MathWordTask, ScaffoldedAdditionTask, final_number_reward, parse_final_number
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +19,36 @@ def test_addition_verifier_on_hand_written_completions(task):
     assert task.reward(record, "7+5+0=12,4+8+1=13|43a") == 0.0  # malformed
     assert task.reward(record, "432") == 0.0  # missing the '|' marker
     assert task.reward(record, "") == 0.0
+
+
+def digits_reward(record: dict, completion: str) -> float:
+    """Partial credit: the share of the answer's digits written at their place after the last ``|``."""
+    written = completion.rsplit("|", 1)[-1]
+    return sum(a == b for a, b in zip(written, record["answer"])) / len(record["answer"])
+
+
+def test_addition_correctness_is_the_exact_answer_whatever_the_reward():
+    record = {"prompt": "047+385=", "a": 47, "b": 385, "answer": "432"}
+    completions = ["7+5+0=12,4+8+1=13,0+3+1=4|432", "|433", "|0432", "432", ""]
+    shaped = AdditionTask(num_digits=3, train_size=50, val_size=10, seed=1, reward_fn=digits_reward)
+    # "0432" is 432 but shifted under the digit reward; "432" scores in full without the "|" it needs to be correct
+    assert [shaped.reward(record, c) for c in completions] == pytest.approx([1.0, 2 / 3, 0.0, 1.0, 0.0])
+    assert [shaped.correct(record, c) for c in completions] == [True, False, True, False, False]
+    plain = AdditionTask(num_digits=3, train_size=50, val_size=10, seed=1)
+    assert [plain.reward(record, c) for c in completions] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    scaffolded = ScaffoldedAdditionTask(train_size=10, val_size=2, reward_fn=digits_reward)
+    record = scaffolded.train_records()[0]
+    solution = scaffolded.solutions(record)[0]
+    assert scaffolded.correct(record, solution) and scaffolded.reward(record, solution) == 1.0
+    wrong = solution[:-1] + ("1" if solution[-1] == "0" else "0")  # the last digit off
+    assert not scaffolded.correct(record, wrong) and scaffolded.reward(record, wrong) == pytest.approx(2 / 3)
+
+
+def test_math_word_correctness_is_the_final_number_whatever_the_reward(gsm8k_file):
+    task = MathWordTask(train_file=gsm8k_file, val_size=2, reward_fn=lambda record, completion: float(len(completion)))
+    record = task.train_records()[0]  # 1 + 2 = 3
+    assert task.correct(record, " 1+2=3. #### 3") and task.reward(record, " 1+2=3. #### 3") == 14.0
+    assert task.correct(record, " so 3") and not task.correct(record, " 3 or 4") and not task.correct(record, "")
 
 
 def test_addition_solutions_are_correct_and_equivalent(task):
