@@ -151,12 +151,15 @@ class VLLMEngine(RolloutEngine):
 
     Weights are pushed to the engine before the first rollout after the policy changed (each round,
     at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
-    merged for the push, the policy keeps them unmerged. Under FSDP2 every process gathers the full
-    weights and drives its own engine. The module's ``temperature``, ``top_p``, ``max_new_tokens``
+    merged for the push, the policy keeps them unmerged. Under FSDP2 (or DDP) every process gathers the
+    full weights and drives its own engine on its own prompts, independently of the others: vLLM's
+    ``external_launcher`` with a vLLM world of one process, not its data parallelism, so processes may
+    sample different numbers of prompts, completions of different lengths, and call it a different
+    number of times. The module's ``temperature``, ``top_p``, ``max_new_tokens``
     and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
     are honoured; any other generation option is refused when the module is built. Each call's
-    sampling seed is drawn from torch's generator, which the datamodule seeds per round, so runs
-    repeat.
+    sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
+    runs repeat and processes draw different random numbers.
 
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
@@ -169,7 +172,8 @@ class VLLMEngine(RolloutEngine):
         kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
             reserve 92% of the machine's memory), ``gpu_memory_utilization`` on a GPU.
         gpu_memory_utilization: on a GPU, the share of its memory vLLM may take (weights, activations,
-            KV cache) when ``kv_cache_memory_bytes`` is None; leave room for training.
+            KV cache; the KV cache is ``kv_cache_memory_bytes`` when given); leave room for training. vLLM
+            refuses to start unless that share is free.
         enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
             20-50 s there), compiled on a GPU.
         sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
@@ -285,9 +289,9 @@ class VLLMEngine(RolloutEngine):
         self._folder = tempfile.TemporaryDirectory(prefix="lit-cancel-vllm-")
         model.config.save_pretrained(self._folder.name)
         module.tokenizer.save_pretrained(self._folder.name)
-        memory = {"gpu_memory_utilization": self.gpu_memory_utilization}
-        if self.kv_cache_memory_bytes is not None or not on_gpu:
-            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
+        memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
+        if on_gpu:  # vLLM refuses to start unless gpu_memory_utilization of the GPU is free, kv_cache_memory_bytes or not
+            memory = {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
         logging_options = log_level_option(self.llm_kwargs)
         if logging_options:  # the user left vLLM's logging to the engine
             reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -295,10 +299,15 @@ class VLLMEngine(RolloutEngine):
                 reload_logger.addFilter(RotaryReloadFilter())
         distributed = {}
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # every process runs its own engine on its own prompts: vLLM data parallelism in the trainer's processes
+            # every process runs its own engine on its own prompts, each a vLLM world of one in the trainer's process
+            # group. Not vLLM's data parallelism: that steps the engines of all processes together (an all-reduce per
+            # step, dummy batches where nothing is left to sample: LLMEngine.has_unfinished_requests) and hangs
+            # once one process calls generate more often than another.
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(os.environ.get("LOCAL_RANK", rank)))
-            distributed = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
+            # vLLM's worker takes cuda:LOCAL_RANK: the process's own GPU, whatever the launcher set
+            local_rank = module.device.index if on_gpu and module.device.index is not None else os.environ.get("LOCAL_RANK", rank)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+            distributed = {"distributed_executor_backend": "external_launcher"}
         with _random_state_kept():
             self.llm = LLM(
                 model=self._folder.name,
@@ -308,7 +317,7 @@ class VLLMEngine(RolloutEngine):
                 enable_sleep_mode=self.sleep_mode,
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
-                seed=0,
+                seed=0,  # what vLLM draws with when a request has no seed: greedy requests only (prompt_seeds)
                 **memory,
                 **distributed,
                 **logging_options,

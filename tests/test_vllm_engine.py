@@ -8,7 +8,9 @@ tests run in their own pytest process, in an environment with the extra installe
 Without vLLM they are skipped.
 """
 
+import json
 import logging
+import os
 import subprocess
 import sys
 from functools import partial
@@ -29,6 +31,7 @@ from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
+RANKS_SCRIPT = Path(__file__).parent / "vllm_ranks.py"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the engine's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
@@ -150,6 +153,44 @@ def test_prefix_cache_is_reset_after_a_sync_for_prompts_longer_than_a_block(modu
     perturb(module, "self_attn", seed=4)
     module.weights_version += 1
     assert mismatch(module, module.rollout(ids, mask, num_samples=2)) > 100 * TOLERANCE
+
+
+def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_processs_gpu(monkeypatch):
+    """What build passes to vLLM there; the GPU and the process group are the test's (vLLM is not started)."""
+    import vllm
+
+    passed = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: passed.append(kwargs))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")  # restored afterwards; build sets them for vLLM
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    module = vllm_module()
+    module._device = torch.device("cuda", 1)  # the process's GPU, as Lightning sets it; the parameters stay here
+    module.engine = VLLMEngine(kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.4)
+    module.engine.build(module)
+    (kwargs,) = passed
+    # no data or tensor parallelism: vLLM's world is this process alone
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert not {"data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"} & set(kwargs)
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("1", "1")
+    # vLLM checks at start that its share is free, with a KV cache of a given size too (its own default share is 0.92)
+    assert (kwargs["gpu_memory_utilization"], kwargs["kv_cache_memory_bytes"]) == (0.4, 2**30)
+    assert kwargs["enable_sleep_mode"] and kwargs["dtype"] == "bfloat16" and not kwargs["enforce_eager"]
+
+
+@pytest.mark.slow
+def test_processes_that_sample_unevenly_run_their_own_engines_without_waiting_for_each_other(tmp_path):
+    # rank 0 calls its engine three times for 8 completions of up to 40 tokens, rank 1 once for one of up to 4 tokens;
+    # engines in vLLM's data parallelism would step together, and rank 0's second call would wait for rank 1 forever
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(RANKS_SCRIPT),
+                    str(tmp_path / "out")], check=True, capture_output=True, timeout=300)
+    ranks = [json.loads((tmp_path / f"out-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [len(rank["lengths"]) for rank in ranks] == [3, 1]
+    assert all(len(call) == 8 and max(call) <= 40 for call in ranks[0]["lengths"])
+    assert len(ranks[1]["lengths"][0]) == 1 and ranks[1]["lengths"][0][0] <= 4
+    assert all(rank["data_parallel_size"] == rank["world_size"] == 1 for rank in ranks)
 
 
 def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy():
