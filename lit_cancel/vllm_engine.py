@@ -44,6 +44,8 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 # RoPE types whose factor vLLM does not apply to that length (_get_and_verify_max_len)
 _UNSCALED_ROPE = (None, "default", "llama3", "yarn")
 _ENGINE_KEY = "model.init_args.engine.init_args"
+# what vLLM's sleep releases and wake_up(tags=...) takes back, one at a time
+_SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def log_level_option(llm_kwargs: dict) -> dict:
@@ -161,6 +163,12 @@ class VLLMEngine(RolloutEngine):
     sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
     runs repeat and processes draw different random numbers.
 
+    With sleep mode the engine releases its KV cache and discards its weights after every call
+    (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
+    the KV cache stays released while the gathered weights are built, then the KV cache wakes to
+    sample. A call with no push since the last sleep (the sampled validation rollout after the greedy
+    one) pushes the weights again first, timed with the others.
+
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
     ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
@@ -177,6 +185,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
             20-50 s there), compiled on a GPU.
         sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is fine: vLLM turns it off around its own pool.
         dtype: the engine's dtype, e.g. ``bfloat16``. None: on a GPU bfloat16 (float16 if the policy's parameters
             are float16), on a CPU the policy's parameter dtype (:func:`engine_dtype`). Under ``bf16-mixed`` the
             parameters are float32, so on a GPU the engine samples in bfloat16 while old log-probs are computed in
@@ -212,7 +221,9 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm = None
-        self.sleeping = self.sleep_mode = False
+        self.sleep_mode = self.weights_discarded = False
+        # the vLLM memory tags asleep (sleep mode): both after a rollout, the KV cache alone during a push
+        self.asleep: set[str] = set()
         # the configuration and tokenizer vLLM starts from, removed with the engine
         self._folder: tempfile.TemporaryDirectory | None = None
 
@@ -328,22 +339,27 @@ class VLLMEngine(RolloutEngine):
         started = time.perf_counter()
         if self.llm is None:
             self.build(module)
-        self._wake()
+        self._wake(["weights"])  # the KV cache stays released while the gathered weights take memory
         weights = merged_state_dict(module.policy.model, self.llm.model_config.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
+        self.weights_discarded = False
         return time.perf_counter() - started
 
-    def _wake(self) -> None:
-        if self.sleeping:
+    def _wake(self, tags: list[str] | None = None) -> None:
+        """Wakes the engine's memory of ``tags`` (``weights``, ``kv_cache``; None: both) where it is asleep."""
+        tags = [tag for tag in tags or _SLEEP_TAGS if tag in self.asleep]
+        if tags:
             if torch.cuda.is_initialized():  # training's freed memory stays in torch's cache: vLLM wakes into free memory
                 torch.cuda.empty_cache()
-            self.llm.wake_up()
-            self.sleeping = False
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
         from vllm import SamplingParams
 
+        # weights discarded by the last sleep and not pushed since (a validation rollout after a rollout): push them again
+        sync_seconds = self.sync(module) if self.weights_discarded else 0.0
         self._wake()
         tokenizer = module.tokenizer
         params = SamplingParams(
@@ -362,15 +378,18 @@ class VLLMEngine(RolloutEngine):
             prompt_params.seed = None if greedy else seed
         outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
         if self.sleep_mode:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+            # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
+            # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
+            # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
+            self.llm.sleep(level=2)
+            self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
 
         samples = [c for output in outputs for c in output.outputs]
         completions = [list(sample.token_ids) for sample in samples]
         logprobs = None if greedy else [
             [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
         ]
-        return sampled_completions(input_ids, num_samples, completions, logprobs, tokenizer.pad_token_id)
+        return sampled_completions(input_ids, num_samples, completions, logprobs, tokenizer.pad_token_id, sync_seconds=sync_seconds)
 
 
 def sampled_completions(

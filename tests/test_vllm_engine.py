@@ -155,6 +155,36 @@ def test_prefix_cache_is_reset_after_a_sync_for_prompts_longer_than_a_block(modu
     assert mismatch(module, module.rollout(ids, mask, num_samples=2)) > 100 * TOLERANCE
 
 
+def test_sleep_mode_wakes_the_weights_for_a_push_and_a_rollout_after_a_sleep_pushes_them_again(monkeypatch):
+    module = vllm_module(temperature=0.8)
+    engine = module.engine
+    torch.manual_seed(7)
+    module.rollout(*prompts(module), num_samples=2)  # builds the engine (no sleep mode on a CPU) and pushes
+    # what build sets on a GPU: vLLM's CPU worker keeps its memory when told to sleep (with a warning), while the
+    # engine core pauses at a sleep and resumes once every part is awake, as on a GPU
+    engine.sleep_mode = True
+    calls = []
+    for name in ("sleep", "wake_up"):
+        method = getattr(engine.llm, name)
+        monkeypatch.setattr(engine.llm, name, lambda method=method, name=name, **kwargs: calls.append((name, kwargs)) or method(**kwargs))
+    module.rollout(*prompts(module), num_samples=2)
+    assert calls == [("sleep", {"level": 2})]  # awake: samples, then releases everything
+
+    asleep_push_sample = [("wake_up", {"tags": ["weights"]}), ("wake_up", {"tags": ["kv_cache"]}), ("sleep", {"level": 2})]
+    calls.clear()
+    perturb(module, "mlp", seed=7)
+    module.weights_version += 1  # an optimizer step: the module syncs
+    stepped = module.rollout(*prompts(module), num_samples=2)
+    assert calls == asleep_push_sample and stepped.sync_seconds > 0
+    assert mismatch(module, stepped) < TOLERANCE
+
+    calls.clear()
+    perturb(module, "mlp", seed=8)  # no step: the module does not sync, but the weights were discarded at the sleep
+    again = module.rollout(*prompts(module), num_samples=2)
+    assert calls == asleep_push_sample and again.sync_seconds > 0
+    assert mismatch(module, again) < TOLERANCE  # pushed again, so the engine has the changed weights
+
+
 def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_processs_gpu(monkeypatch):
     """What build passes to vLLM there; the GPU and the process group are the test's (vLLM is not started)."""
     import vllm
