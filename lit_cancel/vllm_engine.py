@@ -190,7 +190,8 @@ class VLLMEngine(RolloutEngine):
             are float16), on a CPU the policy's parameter dtype (:func:`engine_dtype`). Under ``bf16-mixed`` the
             parameters are float32, so on a GPU the engine samples in bfloat16 while old log-probs are computed in
             autocast: the difference shows in ``rollout/logprob_mismatch``.
-        max_model_len: the longest prompt plus completion. None: the model's ``max_position_embeddings``.
+        max_model_len: the longest prompt plus completion; the task's prompts are checked against it at
+            start-up. None: the model's ``max_position_embeddings``.
         llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
 
     Example::

@@ -11,6 +11,7 @@ Without vLLM they are skipped.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -25,7 +26,7 @@ from conftest import save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
-from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
+from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
 from lit_cancel.cli import run_cli  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.vllm_engine import log_level_option  # noqa: E402
@@ -331,6 +332,23 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_vll
     )
     assert f"raise model.init_args.engine.init_args.kv_cache_memory_bytes to at least {TINY_ADDER_KV_CACHE_NEED}" in lines[-1]
     assert "or lower model.init_args.engine.init_args.max_model_len" in lines[-1] and "max_new_tokens=40" in lines[-1]
+
+
+def test_a_prompt_with_no_room_for_max_new_tokens_in_the_engines_max_model_len_is_refused_before_vllm_starts():
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=4), prompts_per_round=4, group_size=2)
+    module = vllm_module()  # the model's context: 256 tokens
+    records = data.task.train_records() + data.task.val_records()
+    longest = max(len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"])
+    module.engine = VLLMEngine(kv_cache_memory_bytes=KV_CACHE, max_model_len=longest + module.max_new_tokens)
+    data.check_prompt_lengths(module)  # fits exactly
+    module.engine = VLLMEngine(kv_cache_memory_bytes=KV_CACHE, max_model_len=longest + module.max_new_tokens - 1)
+    key = "model.init_args.engine.init_args.max_model_len"
+    with pytest.raises(ValueError, match=re.escape(
+        f"tokens) does not fit the engine's {key}={longest + 39} minus max_new_tokens=40 leaves {longest - 1}; "
+        f"shorten or drop the long prompts, raise {key}, or lower model.init_args.max_new_tokens"
+    )):
+        data.check_prompt_lengths(module)
+    assert module.engine.llm is None
 
 
 @pytest.mark.slow
