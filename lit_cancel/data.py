@@ -20,6 +20,7 @@ from lit_cancel.tasks import Record, Task
 WARN_EVERY_N_ROUNDS = 10
 # the weight norm is "exploding" above this multiple of its value at the first round
 EXPLODING_WEIGHT_NORM = 10.0
+ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -157,11 +158,20 @@ class RolloutDataModule(TaskDataModule):
 
     def check_prompt_lengths(self, module: L.LightningModule) -> None:
         """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
-        in the context of the module's model (``max_position_embeddings``); does nothing for a module without them."""
+        in the context of the module's model (``max_position_embeddings``), or in its engine's ``max_model_len``
+        where that is shorter (vLLM refuses a longer prompt and cuts a completion there); does nothing for a module
+        without them."""
         config = getattr(getattr(getattr(module, "policy", None), "model", None), "config", None)
-        context, max_new_tokens = getattr(config, "max_position_embeddings", None), getattr(module, "max_new_tokens", None)
-        if not isinstance(context, int) or not isinstance(max_new_tokens, int):
+        limits = {
+            "the model's context: max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            f"the engine's {ENGINE_MAX_MODEL_LEN}": getattr(getattr(module, "engine", None), "max_model_len", None),
+        }
+        limits = {name: value for name, value in limits.items() if isinstance(value, int)}
+        max_new_tokens = getattr(module, "max_new_tokens", None)
+        if not limits or not isinstance(max_new_tokens, int):
             return
+        limit = min(limits, key=limits.__getitem__)
+        context = limits[limit]
         room = context - max_new_tokens
         if room == self.prompts_fit_in:
             return  # checked already (the CLI checks before its first validation, fit's setup again)
@@ -169,10 +179,11 @@ class RolloutDataModule(TaskDataModule):
             lengths = [len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"]]
             longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
             if longest is not None and lengths[longest] > room:
+                raise_length = f", raise {ENGINE_MAX_MODEL_LEN}," if ENGINE_MAX_MODEL_LEN in limit else ","
                 raise ValueError(
                     f"the longest {split} prompt ({self.task.record_source(split, longest)}, {lengths[longest]} tokens) does not fit "
-                    f"the model's context: max_position_embeddings={context} minus max_new_tokens={max_new_tokens} leaves {room}; "
-                    "shorten or drop the long prompts, or lower model.init_args.max_new_tokens"
+                    f"{limit}={context} minus max_new_tokens={max_new_tokens} leaves {room}; "
+                    f"shorten or drop the long prompts{raise_length} or lower model.init_args.max_new_tokens"
                 )
         self.prompts_fit_in = room
 

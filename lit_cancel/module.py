@@ -177,6 +177,8 @@ class PolicyModule(L.LightningModule):
             sampled = self.engine.sample(self, input_ids, attention_mask, num_samples, greedy)
         self.policy.train(was_training)
 
+        # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
+        sync_seconds += sampled.sync_seconds
         return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
 
     def optimizer_step(self, *args, **kwargs) -> None:

@@ -46,6 +46,8 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 # RoPE types whose factor vLLM does not apply to that length (_get_and_verify_max_len)
 _UNSCALED_ROPE = (None, "default", "llama3", "yarn")
 _ENGINE_KEY = "model.init_args.engine.init_args"
+# what vLLM's sleep releases and wake_up(tags=...) takes back, one at a time
+_SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def log_level_option(llm_kwargs: dict) -> dict:
@@ -172,12 +174,21 @@ class VLLMEngine(RolloutEngine):
 
     Weights are pushed to the engine before the first rollout after the policy changed (each round,
     at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
-    merged for the push, the policy keeps them unmerged. Under FSDP2 every process gathers the weights
-    one by one as vLLM loads them (:func:`merged_weights`) and drives its own engine. The module's ``temperature``,
-    ``top_p``, ``max_new_tokens`` and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
+    merged for the push, the policy keeps them unmerged. Under FSDP2 (or DDP) every process gathers the
+    weights one by one as vLLM loads them (:func:`merged_weights`) and drives its own engine on its own prompts,
+    independently of the others: vLLM's ``external_launcher`` with a vLLM world of one process, not its data
+    parallelism, so processes may sample different numbers of prompts, completions of different lengths, and call
+    it a different number of times. The module's ``temperature``, ``top_p``, ``max_new_tokens``
+    and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
     are honoured; any other generation option is refused when the module is built. Each call's
-    sampling seed is drawn from torch's generator, which the datamodule seeds per round, so runs
-    repeat.
+    sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
+    runs repeat and processes draw different random numbers.
+
+    With sleep mode the engine releases its KV cache and discards its weights after every call
+    (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
+    the KV cache stays released while the gathered weights are built, then the KV cache wakes to
+    sample. A call with no push since the last sleep (the sampled validation rollout after the greedy
+    one) pushes the weights again first, timed with the others.
 
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
@@ -190,15 +201,18 @@ class VLLMEngine(RolloutEngine):
         kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
             reserve 92% of the machine's memory), ``gpu_memory_utilization`` on a GPU.
         gpu_memory_utilization: on a GPU, the share of its memory vLLM may take (weights, activations,
-            KV cache) when ``kv_cache_memory_bytes`` is None; leave room for training.
+            KV cache; the KV cache is ``kv_cache_memory_bytes`` when given); leave room for training. vLLM
+            refuses to start unless that share is free.
         enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
             20-50 s there), compiled on a GPU.
         sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is fine: vLLM turns it off around its own pool.
         dtype: the engine's dtype, e.g. ``bfloat16``. None: on a GPU bfloat16 (float16 if the policy's parameters
             are float16), on a CPU the policy's parameter dtype (:func:`engine_dtype`). Under ``bf16-mixed`` the
             parameters are float32, so on a GPU the engine samples in bfloat16 while old log-probs are computed in
             autocast: the difference shows in ``rollout/logprob_mismatch``.
-        max_model_len: the longest prompt plus completion. None: the model's ``max_position_embeddings``.
+        max_model_len: the longest prompt plus completion; the task's prompts are checked against it at
+            start-up. None: the model's ``max_position_embeddings``.
         llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
 
     Example::
@@ -229,7 +243,9 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm = None
-        self.sleeping = self.sleep_mode = False
+        self.sleep_mode = self.weights_discarded = False
+        # the vLLM memory tags asleep (sleep mode): both after a rollout, the KV cache alone during a push
+        self.asleep: set[str] = set()
         # the configuration and tokenizer vLLM starts from, removed with the engine
         self._folder: tempfile.TemporaryDirectory | None = None
 
@@ -306,9 +322,9 @@ class VLLMEngine(RolloutEngine):
         self._folder = tempfile.TemporaryDirectory(prefix="lit-cancel-vllm-")
         model.config.save_pretrained(self._folder.name)
         module.tokenizer.save_pretrained(self._folder.name)
-        memory = {"gpu_memory_utilization": self.gpu_memory_utilization}
-        if self.kv_cache_memory_bytes is not None or not on_gpu:
-            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
+        memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
+        if on_gpu:  # vLLM refuses to start unless gpu_memory_utilization of the GPU is free, kv_cache_memory_bytes or not
+            memory = {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
         logging_options = log_level_option(self.llm_kwargs)
         if logging_options:  # the user left vLLM's logging to the engine
             reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -316,10 +332,15 @@ class VLLMEngine(RolloutEngine):
                 reload_logger.addFilter(RotaryReloadFilter())
         distributed = {}
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # every process runs its own engine on its own prompts: vLLM data parallelism in the trainer's processes
+            # every process runs its own engine on its own prompts, each a vLLM world of one in the trainer's process
+            # group. Not vLLM's data parallelism: that steps the engines of all processes together (an all-reduce per
+            # step, dummy batches where nothing is left to sample: LLMEngine.has_unfinished_requests) and hangs
+            # once one process calls generate more often than another.
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(os.environ.get("LOCAL_RANK", rank)))
-            distributed = {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
+            # vLLM's worker takes cuda:LOCAL_RANK: the process's own GPU, whatever the launcher set
+            local_rank = module.device.index if on_gpu and module.device.index is not None else os.environ.get("LOCAL_RANK", rank)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+            distributed = {"distributed_executor_backend": "external_launcher"}
         with _random_state_kept():
             self.llm = LLM(
                 model=self._folder.name,
@@ -329,7 +350,7 @@ class VLLMEngine(RolloutEngine):
                 enable_sleep_mode=self.sleep_mode,
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
-                seed=0,
+                seed=0,  # what vLLM draws with when a request has no seed: greedy requests only (prompt_seeds)
                 **memory,
                 **distributed,
                 **logging_options,
@@ -340,22 +361,27 @@ class VLLMEngine(RolloutEngine):
         started = time.perf_counter()
         if self.llm is None:
             self.build(module)
-        self._wake()
+        self._wake(["weights"])  # the KV cache stays released while the gathered weights take memory
         weights = merged_weights(module.policy.model, self.llm.model_config.dtype)  # gathered one by one as vLLM loads them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        self.weights_discarded = False
         return time.perf_counter() - started
 
-    def _wake(self) -> None:
-        if self.sleeping:
+    def _wake(self, tags: list[str] | None = None) -> None:
+        """Wakes the engine's memory of ``tags`` (``weights``, ``kv_cache``; None: both) where it is asleep."""
+        tags = [tag for tag in tags or _SLEEP_TAGS if tag in self.asleep]
+        if tags:
             if torch.cuda.is_initialized():  # training's freed memory stays in torch's cache: vLLM wakes into free memory
                 torch.cuda.empty_cache()
-            self.llm.wake_up()
-            self.sleeping = False
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
 
     def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
         from vllm import SamplingParams
 
+        # weights discarded by the last sleep and not pushed since (a validation rollout after a rollout): push them again
+        sync_seconds = self.sync(module) if self.weights_discarded else 0.0
         self._wake()
         tokenizer = module.tokenizer
         params = SamplingParams(
@@ -374,15 +400,18 @@ class VLLMEngine(RolloutEngine):
             prompt_params.seed = None if greedy else seed
         outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
         if self.sleep_mode:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+            # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
+            # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
+            # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
+            self.llm.sleep(level=2)
+            self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
 
         samples = [c for output in outputs for c in output.outputs]
         completions = [list(sample.token_ids) for sample in samples]
         logprobs = None if greedy else [
             [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
         ]
-        return sampled_completions(input_ids, num_samples, completions, logprobs, tokenizer.pad_token_id)
+        return sampled_completions(input_ids, num_samples, completions, logprobs, tokenizer.pad_token_id, sync_seconds=sync_seconds)
 
 
 def sampled_completions(

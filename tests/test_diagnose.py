@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lit_cancel.callbacks import diagnoses
+from lit_cancel.callbacks.diagnoses import SERIES, SETTINGS, Rule, mean, register
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
 from lit_cancel import cli, diagnose
-from lit_cancel.callbacks import diagnoses
-from lit_cancel.callbacks.diagnoses import SERIES, SETTINGS, Rule, mean, register
 from lit_cancel.run_history import LIT_CANCEL_SETTINGS, TAGS, TRL_SETTINGS, RunReadError, read_run
 
 CONFIGS = Path(__file__).parents[1] / "configs"

@@ -156,13 +156,17 @@ def test_weights_are_pushed_in_the_engines_dtype():
     assert {t.dtype for _, t in merged_weights(model, torch.bfloat16)} == {torch.bfloat16}
 
 
-def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes(monkeypatch):
+def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes_each_part(monkeypatch):
     from lit_cancel.vllm_engine import VLLMEngine
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM needed: a stand-in for its LLM
-    engine.llm, engine.sleeping = type("LLM", (), {"wake_up": lambda self: calls.append("wake_up")})(), True
-    engine._wake()
-    assert calls == ["empty_cache", "wake_up"] and not engine.sleeping
+    engine.llm = type("LLM", (), {"wake_up": lambda self, tags: calls.append(tags)})()
+    engine.asleep = {"weights", "kv_cache"}
+    engine._wake(["weights"])  # a push: the weights alone
+    assert calls == ["empty_cache", ["weights"]] and engine.asleep == {"kv_cache"}
+    engine._wake(["weights"])  # awake already: nothing to do
+    engine._wake()  # sampling: what is still asleep
+    assert calls == ["empty_cache", ["weights"], "empty_cache", ["kv_cache"]] and not engine.asleep

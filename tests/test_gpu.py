@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -55,6 +56,14 @@ def prompts(module: RLModule) -> tuple[torch.Tensor, torch.Tensor]:
     return encoded["input_ids"].cuda(), encoded["attention_mask"].cuda()
 
 
+def bf16_gap(module: RLModule, generation) -> tuple[float, float]:
+    """Mean and largest |sampler log-prob - trainer log-prob| over the completion tokens, the trainer under bf16 autocast."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trainer = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
+    gap = (trainer - generation.sampler_logprobs).abs() * generation.completion_mask
+    return float(gap.sum() / generation.completion_mask.sum()), float(gap.max())
+
+
 def completions(tokens: torch.Tensor, prompt_length: int, eos: int) -> list[list[int]]:
     """Each row's completion up to and including its first EOS."""
     rows = []
@@ -75,11 +84,9 @@ def test_vllm_on_a_gpu_samples_in_bfloat16_and_its_log_probs_agree_with_the_trai
         torch.manual_seed(version)
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as bf16-mixed's forward context: the engine turns it off
             generation = module.rollout(*prompts(module), num_samples=4)
-            trainer = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
         assert generation.sync_seconds > 0
-        gap = (trainer - generation.sampler_logprobs).abs() * generation.completion_mask
-        mean_gap = float(gap.sum() / generation.completion_mask.sum())
-        assert mean_gap < BF16_MEAN_TOLERANCE and float(gap.max()) < BF16_MAX_TOLERANCE, (mean_gap, float(gap.max()))
+        mean_gap, max_gap = bf16_gap(module, generation)
+        assert mean_gap < BF16_MEAN_TOLERANCE and max_gap < BF16_MAX_TOLERANCE, (mean_gap, max_gap)
     assert module.engine.llm.model_config.dtype == torch.bfloat16  # float32 parameters, the engine in bfloat16
 
 
@@ -123,19 +130,64 @@ def test_a_weight_push_holds_one_weight_at_a_time_on_the_gpu(tmp_path):
 
 
 @needs_vllm
-def test_sleep_mode_gives_the_kv_cache_back_between_rollouts():
+def test_sleep_mode_gives_the_kv_cache_back_between_rollouts_and_keeps_it_released_during_a_push():
     kv_cache = 4 * 2**30
-    module = gpu_module(vllm_engine(kv_cache_memory_bytes=kv_cache, sleep=True))
+    module = gpu_module(vllm_engine(kv_cache_memory_bytes=kv_cache, sleep=True), temperature=0.8)
+    engine = module.engine
     torch.manual_seed(0)
     module.rollout(*prompts(module), num_samples=2)
-    assert module.engine.sleeping  # asleep after every rollout
+    assert engine.asleep == {"weights", "kv_cache"} and engine.weights_discarded  # after every rollout: sleep level 2
     free_asleep = torch.cuda.mem_get_info()[0]
-    module.engine._wake()
+    free_at_push, collective_rpc = [], engine.llm.collective_rpc
+
+    def recording(method, *args, **kwargs):
+        if method == "reload_weights":
+            free_at_push.append(torch.cuda.mem_get_info()[0])
+        return collective_rpc(method, *args, **kwargs)
+
+    engine.llm.collective_rpc = recording
+    module.weights_version += 1
+    torch.manual_seed(1)
+    synced = module.rollout(*prompts(module), num_samples=2)
+    # the discarded weights were pushed again: the rotary tables (buffers, not pushed) came back with them
+    mean_gap, max_gap = bf16_gap(module, synced)
+    assert mean_gap < BF16_MEAN_TOLERANCE and max_gap < BF16_MAX_TOLERANCE, (mean_gap, max_gap)
+    engine._wake()
     free_awake = torch.cuda.mem_get_info()[0]
     assert free_asleep - free_awake > 0.9 * kv_cache, (free_asleep, free_awake)
+    assert free_at_push[0] - free_awake > 0.9 * kv_cache, (free_at_push, free_awake)  # the push woke the weights alone
+
+
+@needs_vllm
+def test_with_sleep_mode_a_rollout_with_no_sync_since_the_last_samples_from_the_pushed_weights_not_discarded_ones():
+    module = gpu_module(vllm_engine(sleep=True), temperature=0.8)
     torch.manual_seed(0)
-    assert module.rollout(*prompts(module), num_samples=2).sampler_logprobs is not None  # awake again, it samples
-    assert module.engine.sleeping
+    module.rollout(*prompts(module), greedy=True)  # as a validation batch: greedy first, then sampled
+    torch.manual_seed(1)
+    sampled = module.rollout(*prompts(module), num_samples=4)  # no optimizer step in between: no sync by the module
+    assert sampled.sync_seconds > 0  # the engine pushed the weights its last sleep discarded
+    mean_gap, max_gap = bf16_gap(module, sampled)
+    assert mean_gap < BF16_MEAN_TOLERANCE and max_gap < BF16_MAX_TOLERANCE, (mean_gap, max_gap)
+
+
+@needs_vllm
+def test_sleep_mode_runs_with_expandable_segments(tmp_path):
+    # vLLM turns expandable segments off around its own memory pool (CuMemAllocator.use_memory_pool)
+    script = (
+        "import torch\n"
+        "from test_gpu import BF16_MEAN_TOLERANCE, bf16_gap, gpu_module, prompts, vllm_engine\n"
+        "module = gpu_module(vllm_engine(sleep=True), temperature=0.8)\n"
+        "for version in range(2):\n"
+        "    module.weights_version = version\n"
+        "    torch.manual_seed(version)\n"
+        "    generation = module.rollout(*prompts(module), num_samples=2)\n"
+        "    assert bf16_gap(module, generation)[0] < BF16_MEAN_TOLERANCE, bf16_gap(module, generation)\n"
+        "assert module.engine.asleep\n"
+    )
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 @needs_vllm
@@ -178,6 +230,20 @@ def test_resuming_on_a_gpu_from_step_1_gives_the_uninterrupted_step_2_weights(tm
 
 @needs_two_gpus
 def test_the_fsdp2_recipe_trains_on_every_visible_gpu(tmp_path, lit_cancel_script):
+    fsdp2_recipe(tmp_path, lit_cancel_script)
+
+
+@needs_two_gpus
+@needs_vllm
+def test_the_fsdp2_recipe_with_vllm_runs_an_engine_on_each_processs_gpu(tmp_path, lit_cancel_script):
+    # each process's engine on its own GPU (cuda:LOCAL_RANK), with sleep mode; the validation before training
+    # samples each batch twice, the second time after a sleep that discarded the weights
+    fsdp2_recipe(tmp_path, lit_cancel_script, "--model.init_args.engine=lit_cancel.VLLMEngine",
+                 f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}")
+
+
+def fsdp2_recipe(tmp_path, lit_cancel_script, *options: str) -> None:
+    """Two steps of the FSDP2 recipe on every visible GPU, with a tiny model, and ``options``."""
     gpus = torch.cuda.device_count()
     model = save_tiny_model(tmp_path / "model", hidden=128)
     # the recipe's plan keeps groups whole: 2 prompts per process, one group per micro-batch (accumulate_grad_batches 2)
@@ -193,7 +259,7 @@ def test_the_fsdp2_recipe_trains_on_every_visible_gpu(tmp_path, lit_cancel_scrip
          f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.init_args.model_path={model}",
          "--model.init_args.max_new_tokens=8", f"--data.init_args.task.init_args.train_file={gsm8k_file}",
          f"--data.init_args.task.init_args.val_file={gsm8k_file}", f"--data.init_args.prompts_per_round={2 * gpus}",
-         "--data.init_args.group_size=2", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward"],
+         "--data.init_args.group_size=2", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward", *options],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -8,7 +8,10 @@ tests run in their own pytest process, in an environment with the extra installe
 Without vLLM they are skipped.
 """
 
+import json
 import logging
+import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -23,12 +26,13 @@ from conftest import save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
-from lit_cancel import GRPO, LoRA, RLModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
+from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
 from lit_cancel.cli import run_cli  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
+RANKS_SCRIPT = Path(__file__).parent / "vllm_ranks.py"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the engine's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
@@ -152,6 +156,74 @@ def test_prefix_cache_is_reset_after_a_sync_for_prompts_longer_than_a_block(modu
     assert mismatch(module, module.rollout(ids, mask, num_samples=2)) > 100 * TOLERANCE
 
 
+def test_sleep_mode_wakes_the_weights_for_a_push_and_a_rollout_after_a_sleep_pushes_them_again(monkeypatch):
+    module = vllm_module(temperature=0.8)
+    engine = module.engine
+    torch.manual_seed(7)
+    module.rollout(*prompts(module), num_samples=2)  # builds the engine (no sleep mode on a CPU) and pushes
+    # what build sets on a GPU: vLLM's CPU worker keeps its memory when told to sleep (with a warning), while the
+    # engine core pauses at a sleep and resumes once every part is awake, as on a GPU
+    engine.sleep_mode = True
+    calls = []
+    for name in ("sleep", "wake_up"):
+        method = getattr(engine.llm, name)
+        monkeypatch.setattr(engine.llm, name, lambda method=method, name=name, **kwargs: calls.append((name, kwargs)) or method(**kwargs))
+    module.rollout(*prompts(module), num_samples=2)
+    assert calls == [("sleep", {"level": 2})]  # awake: samples, then releases everything
+
+    asleep_push_sample = [("wake_up", {"tags": ["weights"]}), ("wake_up", {"tags": ["kv_cache"]}), ("sleep", {"level": 2})]
+    calls.clear()
+    perturb(module, "mlp", seed=7)
+    module.weights_version += 1  # an optimizer step: the module syncs
+    stepped = module.rollout(*prompts(module), num_samples=2)
+    assert calls == asleep_push_sample and stepped.sync_seconds > 0
+    assert mismatch(module, stepped) < TOLERANCE
+
+    calls.clear()
+    perturb(module, "mlp", seed=8)  # no step: the module does not sync, but the weights were discarded at the sleep
+    again = module.rollout(*prompts(module), num_samples=2)
+    assert calls == asleep_push_sample and again.sync_seconds > 0
+    assert mismatch(module, again) < TOLERANCE  # pushed again, so the engine has the changed weights
+
+
+def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_processs_gpu(monkeypatch):
+    """What build passes to vLLM there; the GPU and the process group are the test's (vLLM is not started)."""
+    import vllm
+
+    passed = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: passed.append(kwargs))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")  # restored afterwards; build sets them for vLLM
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    module = vllm_module()
+    module._device = torch.device("cuda", 1)  # the process's GPU, as Lightning sets it; the parameters stay here
+    module.engine = VLLMEngine(kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.4)
+    module.engine.build(module)
+    (kwargs,) = passed
+    # no data or tensor parallelism: vLLM's world is this process alone
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert not {"data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"} & set(kwargs)
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("1", "1")
+    # vLLM checks at start that its share is free, with a KV cache of a given size too (its own default share is 0.92)
+    assert (kwargs["gpu_memory_utilization"], kwargs["kv_cache_memory_bytes"]) == (0.4, 2**30)
+    assert kwargs["enable_sleep_mode"] and kwargs["dtype"] == "bfloat16" and not kwargs["enforce_eager"]
+
+
+@pytest.mark.slow
+def test_processes_that_sample_unevenly_run_their_own_engines_without_waiting_for_each_other(tmp_path):
+    # rank 0 calls its engine three times for 8 completions of up to 40 tokens, rank 1 once for one of up to 4 tokens;
+    # engines in vLLM's data parallelism would step together, and rank 0's second call would wait for rank 1 forever
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(RANKS_SCRIPT),
+                    str(tmp_path / "out")], check=True, capture_output=True, timeout=300)
+    ranks = [json.loads((tmp_path / f"out-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [len(rank["lengths"]) for rank in ranks] == [3, 1]
+    assert all(len(call) == 8 and max(call) <= 40 for call in ranks[0]["lengths"])
+    assert len(ranks[1]["lengths"][0]) == 1 and ranks[1]["lengths"][0][0] <= 4
+    assert all(rank["data_parallel_size"] == rank["world_size"] == 1 for rank in ranks)
+
+
 def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy():
     module = vllm_module(lora=LoRA(rank=2))
     base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
@@ -260,6 +332,23 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_vll
     )
     assert f"raise model.init_args.engine.init_args.kv_cache_memory_bytes to at least {TINY_ADDER_KV_CACHE_NEED}" in lines[-1]
     assert "or lower model.init_args.engine.init_args.max_model_len" in lines[-1] and "max_new_tokens=40" in lines[-1]
+
+
+def test_a_prompt_with_no_room_for_max_new_tokens_in_the_engines_max_model_len_is_refused_before_vllm_starts():
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=4), prompts_per_round=4, group_size=2)
+    module = vllm_module()  # the model's context: 256 tokens
+    records = data.task.train_records() + data.task.val_records()
+    longest = max(len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"])
+    module.engine = VLLMEngine(kv_cache_memory_bytes=KV_CACHE, max_model_len=longest + module.max_new_tokens)
+    data.check_prompt_lengths(module)  # fits exactly
+    module.engine = VLLMEngine(kv_cache_memory_bytes=KV_CACHE, max_model_len=longest + module.max_new_tokens - 1)
+    key = "model.init_args.engine.init_args.max_model_len"
+    with pytest.raises(ValueError, match=re.escape(
+        f"tokens) does not fit the engine's {key}={longest + 39} minus max_new_tokens=40 leaves {longest - 1}; "
+        f"shorten or drop the long prompts, raise {key}, or lower model.init_args.max_new_tokens"
+    )):
+        data.check_prompt_lengths(module)
+    assert module.engine.llm is None
 
 
 @pytest.mark.slow
