@@ -1,11 +1,12 @@
 """Planted faults: does the run doctor name the cause a config change planted, and stay silent on healthy runs?
 
-    python benchmarks/doctor.py [--seeds 0 1 2] [--steps 60] [--jobs 2] [--out runs/doctor] [--write-docs]
+    python benchmarks/doctor.py [--seeds 0 1 2] [--steps 40] [--jobs 2] [--out runs/doctor] [--write-docs]
     python benchmarks/doctor.py --from-runs runs/doctor      # diagnose runs made before, without training
 
 Each fault is a change to ``configs/quickstart.yaml`` that a user could make (a learning rate, a completion limit, a
 KL coefficient, a reward function, prompts of another difficulty, a sampling temperature); each healthy run is the
-quickstart or another shipped objective. Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
+quickstart or another shipped objective. Prompts too easy cannot be planted on the shipped model, which adds 3-digit
+numbers only (it solves no 1- or 2-digit sum): that side of ``no_reward_difference`` is tested on synthetic series. Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
 steps with ``lit-cancel fit`` (the run doctor's callback is in the config), then ``lit_cancel.run_history.read_run``
 reads its event files and the rules diagnose them as ``lit-cancel diagnose`` does, at every 10th step and at the end.
 A faulty run counts as right when the first finding at the end names the planted cause; "known at" is the first
@@ -45,9 +46,9 @@ CASES = [
     Case("learning rate 50x", "learning_rate_too_high", (f"{MODEL}.optimizer.init_args.lr=0.01",)),
     Case("learning rate / 10,000", "learning_rate_too_low", (f"{MODEL}.optimizer.init_args.lr=2e-8",)),
     Case("max_new_tokens 20", "truncation", (f"{MODEL}.max_new_tokens=20",)),
-    Case("kl_coef 1.0", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=1.0",)),
+    Case("kl_coef 20", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=20",)),
     Case("reward ignores the answer", "reward_ignores_answer", (f"{TASK}.reward_fn=doctor_rewards.ignores_answer",)),
-    Case("1-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=1",)),
+    Case("reward always 1", "no_reward_difference", (f"{TASK}.reward_fn=doctor_rewards.always_one",)),
     Case("6-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=6",)),
     Case("temperature 0.3", "entropy_collapse", (f"{MODEL}.temperature=0.3",)),
     Case("quickstart", None, ()),
@@ -118,7 +119,7 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "doctor")
     parser.add_argument("--from-runs", type=Path, help="diagnose the runs under this folder; train nothing")

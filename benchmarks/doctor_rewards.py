@@ -1,5 +1,5 @@
-"""A broken reward for ``benchmarks/doctor.py``: it varies between completions but never looks at the answer, as a
-reward function that reads the wrong field or scores only the text's form does."""
+"""Broken rewards for ``benchmarks/doctor.py``, as a reward function that reads the wrong field, scores only the
+text's form, or returns a default, does."""
 
 import zlib
 
@@ -7,3 +7,8 @@ import zlib
 def ignores_answer(record: dict, completion: str) -> float:
     """1 or 0 by a checksum of the completion's text: independent of whether its answer is right."""
     return float(zlib.crc32(completion.encode()) % 2)
+
+
+def always_one(record: dict, completion: str) -> float:
+    """1 whatever the completion: no group's rewards differ."""
+    return 1.0

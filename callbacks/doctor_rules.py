@@ -214,7 +214,7 @@ class KLDominates(Rule):
     name = "kl_dominates"
     needs = ("objective/kl_share",)
     rank = 50
-    max_share = 0.5
+    max_share = 0.2
 
     def check(self, history: RunHistory) -> Finding | None:
         share = mean(tail(history.values("objective/kl_share")))
