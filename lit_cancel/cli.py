@@ -34,7 +34,7 @@ from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_e
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import prepare_run
+from lit_cancel.runs import checkpoint_metadata, prepare_run
 from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
@@ -328,9 +328,9 @@ class LitCancelCLI(LightningCLI):
                 self.datamodule.check_sizes(self.trainer.world_size, self.trainer.accumulate_grad_batches, fitting=True,
                                             objective=objective)
                 self.datamodule.check_prompt_lengths(self.model)
-                if ckpt_path and Path(ckpt_path).is_file():
-                    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
-                    self.datamodule.check_resume(saved.get(type(self.datamodule).__qualname__, {}).get("run_shape", {}), objective)
+                if ckpt_path and Path(ckpt_path).exists():
+                    saved = checkpoint_metadata(Path(ckpt_path)).get(type(self.datamodule).__qualname__, {})
+                    self.datamodule.check_resume(saved, objective, self.trainer.world_size)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:
