@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 
-from lit_cancel import audit, presets
+from lit_cancel import audit, checkpointing, presets
 from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
@@ -148,6 +148,8 @@ def checkpoint_parameter_names(path: str) -> list[str]:
     if location.is_dir():
         if not (location / ".metadata").is_file():
             raise refuse("a folder without the .metadata file of a sharded checkpoint")
+        if incomplete := checkpointing.incomplete_folder(location):
+            raise ConfigError(incomplete)
         try:
             keys = FileSystemReader(location).read_metadata().state_dict_metadata
         except Exception as error:
