@@ -3,6 +3,8 @@
 import io
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -10,21 +12,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from functools import partial, wraps
 from typing import Any
+from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 # signals that stop a run after its current step: what Slurm and Kubernetes send to pre-empt a job,
 # and what Slurm sends ahead of the time limit (``--signal=USR1@90``, Lightning's requeue signal)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# the file that makes a sharded checkpoint folder whole: written once every process has written its part
+COMPLETE_MARKER = "COMPLETE"
 
 
 class RunStopped(Exception):
@@ -104,21 +112,92 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _temporary_name(path: _PATH) -> str:
+    """A temporary sibling of ``path`` named as ``_TEMPORARY_FILE`` reads it."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{os.getpid()}@{_host()}.{secrets.token_hex(4)}.tmp")
+
+
+def _fsync(path: _PATH) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def remove_abandoned_temporary_files(folder: _PATH) -> list[str]:
     """Removes the temporary files that :class:`AtomicCheckpointIO` left in ``folder`` when its process was killed
-    mid-write (``kill -9``, the out-of-memory killer): those whose writer ran on this host and is no longer alive.
-    The file of a live writer (another run writing in the folder) and those written from other hosts are kept.
+    mid-write (``kill -9``, the out-of-memory killer), and the temporary folders of sharded checkpoints
+    (:class:`RunCheckpoint`): those whose writer (process 0) ran on this host and is no longer alive. The file of
+    a live writer (another run writing in the folder) and those written from other hosts are kept, and so is a
+    folder marked complete (its writer was killed between marking it and renaming it: rename it to use it).
     Returns the paths removed.
     """
     removed, host = [], _host()
     with suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(folder):
             named = _TEMPORARY_FILE.fullmatch(entry.name)
-            if named and named["host"] == host and int(named["pid"]) > 0 and not _alive(int(named["pid"])):
-                with suppress(FileNotFoundError):  # another process of this run removed it first
-                    os.remove(entry.path)
-                    removed.append(entry.path)
+            if not named or named["host"] != host or int(named["pid"]) <= 0 or _alive(int(named["pid"])):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if not os.path.exists(os.path.join(entry.path, COMPLETE_MARKER)):
+                    shutil.rmtree(entry.path, ignore_errors=True)  # another process of this run may remove it too
+                    removed += [] if os.path.lexists(entry.path) else [entry.path]
+                continue
+            with suppress(FileNotFoundError):  # another process of this run removed it first
+                os.remove(entry.path)
+                removed.append(entry.path)
     return removed
+
+
+def writes_folders(strategy: Strategy) -> bool:
+    """Whether ``strategy`` saves a checkpoint as a folder that every process writes a part of (FSDP2's sharded one)."""
+    return isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint
+
+
+def incomplete_folder(path: _PATH) -> str | None:
+    """Why the sharded checkpoint folder ``path`` cannot be loaded, when it lacks ``COMPLETE_MARKER``; None when whole.
+
+    A folder without it is refused, even one written before the marker was: a run stopped while writing a folder
+    leaves it with ``.metadata`` and ``meta.pt``, those of the checkpoint it was replacing when Lightning wrote over
+    it in place, so Lightning's own files do not tell a whole folder. Whoever knows one is whole makes the marker.
+    """
+    if os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        return None
+    return (
+        f"{path} is an incomplete sharded checkpoint: it has no {COMPLETE_MARKER} file, which is written once every "
+        f"process has written its part (the run stopped while writing it); resume from another checkpoint, or, if you "
+        f"know the folder is whole (written before checkpoints were marked complete), create {os.path.join(path, COMPLETE_MARKER)}"
+    )
+
+
+def complete_folder(temporary: _PATH, path: _PATH, step: int) -> None:
+    """Marks the sharded checkpoint folder ``temporary`` complete and renames it to ``path``; what ``path`` held
+    before (a folder or a file) is set aside and removed only once the new folder is in its place."""
+    _fsync(os.path.join(temporary, _METADATA_FILENAME))  # DCP flushes its own files, not Lightning's meta.pt
+    with open(os.path.join(temporary, COMPLETE_MARKER), "w") as marker:
+        marker.write(f"every process wrote its part of step {step}\n")
+        marker.flush()
+        os.fsync(marker.fileno())
+    _fsync(temporary)
+    previous = _temporary_name(path) if os.path.lexists(path) else None
+    if previous:
+        os.rename(path, previous)
+    try:
+        os.rename(temporary, path)
+    except OSError:
+        if previous:
+            os.rename(previous, path)
+        raise
+    _fsync(os.path.dirname(os.path.abspath(path)))
+    if previous and os.path.isdir(previous):
+        with suppress(OSError):
+            os.remove(os.path.join(previous, COMPLETE_MARKER))  # first: a half-removed folder is never taken as whole
+        shutil.rmtree(previous, ignore_errors=True)
+    elif previous:
+        with suppress(OSError):
+            os.remove(previous)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -157,12 +236,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with suppress(FileNotFoundError):
                 os.remove(temporary)
             raise
-        # the rename itself is durable only once the folder is flushed
-        folder_descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(folder_descriptor)
-        finally:
-            os.close(folder_descriptor)
+        _fsync(folder)  # the rename itself is durable only once the folder is flushed
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -174,7 +248,10 @@ class RunCheckpoint(ModelCheckpoint):
     then exits with 128 + the signal's number and names the checkpoint to resume from). Files are written
     atomically (:class:`AtomicCheckpointIO`, unless the trainer has a checkpoint plugin of its own), a write
     that fails stops the run with :class:`CheckpointWriteError`, and the temporary files of writers killed
-    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). Each checkpoint
+    mid-write are removed from the folder at setup (:func:`remove_abandoned_temporary_files`). A sharded
+    checkpoint (``ModelParallelStrategy(save_distributed_checkpoint=True)``), a folder that every process writes a
+    part of, is written into a temporary folder, marked complete once all have written and renamed into its place
+    (:meth:`_save_folder`); ``lit-cancel`` refuses a folder without the mark (:func:`incomplete_folder`). Each checkpoint
     records its run's folder (``checkpoint["run"]``), which ``lit-cancel fit --ckpt_path`` continues. The
     ``lit-cancel`` command uses this class for a config's ``lightning.pytorch.callbacks.ModelCheckpoint``.
 
@@ -252,12 +329,47 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
         try:
-            super()._save_checkpoint(trainer, filepath)
-        except OSError as error:
-            raise CheckpointWriteError(os.path.dirname(filepath) or ".", error, self.latest, trainer.global_step) from error
+            if writes_folders(trainer.strategy):
+                self._save_folder(trainer, filepath)
+            else:
+                super()._save_checkpoint(trainer, filepath)
+        except (OSError, CheckpointException) as error:
+            # torch.distributed.checkpoint raises on every process what any of them met, wrapped
+            failures = [failure for failure, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+            cause = next((failure for failure in failures if isinstance(failure, OSError)), None)
+            if cause is None:
+                raise
+            raise CheckpointWriteError(os.path.dirname(filepath) or ".", cause, self.latest, trainer.global_step) from error
         self.latest = (filepath, trainer.global_step)
         if filepath == self.last_model_path:
             self._step_in_last = trainer.global_step
+
+    def _save_folder(self, trainer: "pl.Trainer", filepath: str) -> None:
+        """``ModelCheckpoint._save_checkpoint`` for a checkpoint that every process writes a part of: into a temporary
+        sibling folder, which process 0 marks complete (:data:`COMPLETE_MARKER`) once all have written, then renames
+        to ``filepath`` (:func:`complete_folder`)."""
+        # every process names one; the strategy writes into process 0's (ModelParallelStrategy.save_checkpoint broadcasts it)
+        temporary = _temporary_name(filepath)
+        try:
+            trainer.save_checkpoint(temporary, self.save_weights_only)  # it ends at a barrier: every part is written
+            failure = None
+            if trainer.is_global_zero:
+                try:
+                    complete_folder(temporary, filepath, trainer.global_step)
+                except OSError as error:
+                    failure = error
+            failure = trainer.strategy.broadcast(failure)  # every process stops, not only process 0
+            if failure is not None:
+                raise failure
+        except BaseException:
+            if trainer.is_global_zero:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        # the rest of ModelCheckpoint._save_checkpoint, once the folder is in its place
+        self._last_global_step_saved, self._last_checkpoint_saved = trainer.global_step, filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
 
     @override
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:

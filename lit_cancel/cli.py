@@ -29,12 +29,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 
-from lit_cancel import audit, presets
+from lit_cancel import audit, checkpointing, presets
 from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import prepare_run
+from lit_cancel.runs import checkpoint_metadata, prepare_run
 from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
@@ -148,6 +148,8 @@ def checkpoint_parameter_names(path: str) -> list[str]:
     if location.is_dir():
         if not (location / ".metadata").is_file():
             raise refuse("a folder without the .metadata file of a sharded checkpoint")
+        if incomplete := checkpointing.incomplete_folder(location):
+            raise ConfigError(incomplete)
         try:
             keys = FileSystemReader(location).read_metadata().state_dict_metadata
         except Exception as error:
@@ -328,9 +330,9 @@ class LitCancelCLI(LightningCLI):
                 self.datamodule.check_sizes(self.trainer.world_size, self.trainer.accumulate_grad_batches, fitting=True,
                                             objective=objective)
                 self.datamodule.check_prompt_lengths(self.model)
-                if ckpt_path and Path(ckpt_path).is_file():
-                    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
-                    self.datamodule.check_resume(saved.get(type(self.datamodule).__qualname__, {}).get("run_shape", {}), objective)
+                if ckpt_path and Path(ckpt_path).exists():
+                    saved = checkpoint_metadata(Path(ckpt_path)).get(type(self.datamodule).__qualname__, {})
+                    self.datamodule.check_resume(saved, objective, self.trainer.world_size)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:

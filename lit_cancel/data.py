@@ -5,6 +5,7 @@ import math
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
@@ -90,9 +91,9 @@ class RolloutDataModule(TaskDataModule):
 
     Lightning fetches one batch ahead of the training step, so the train dataloader yields
     placeholders and the round is sampled in ``on_before_batch_transfer``, which runs after the
-    previous optimizer step: rollouts always come from the current policy. The round counters, the
-    unspent micro-batches and the rollouts waiting for a later round are in ``state_dict``, so a
-    run resumed mid-round continues without repeating or losing rollouts.
+    previous optimizer step: rollouts always come from the current policy. The round counters and
+    every process's unspent micro-batches and rollouts waiting for a later round are in ``state_dict``,
+    so a run resumed mid-round, on as many processes, continues without repeating or losing rollouts.
 
     Args:
         task: where prompts come from and how completions are rewarded.
@@ -392,9 +393,11 @@ class RolloutDataModule(TaskDataModule):
             "model.init_args.objective": _class_path(objective),
         }
 
-    def check_resume(self, saved_shape: dict[str, object], objective: object) -> None:
-        """Raises ValueError naming each option whose value differs from the checkpoint's, unless ``allow_resume_changes``."""
+    def check_resume(self, saved: dict, objective: object, world: int) -> None:
+        """Raises ValueError when the rollout state ``saved`` (a ``state_dict``) cannot go on in this run: options that
+        differ from the checkpoint's (unless ``allow_resume_changes``), unspent rollouts of other than ``world`` processes."""
         current = self.run_shape(objective)
+        saved_shape = saved.get("run_shape", {})
         changed = [f"{name} {saved_shape[name]!r} -> {value!r}" for name, value in current.items()
                    if name in saved_shape and saved_shape[name] != value]
         if changed and not self.allow_resume_changes:
@@ -402,24 +405,54 @@ class RolloutDataModule(TaskDataModule):
                 f"the checkpoint was written by a run with other settings: {'; '.join(changed)} "
                 f"(resume with the checkpoint's settings, or pass --data.init_args.allow_resume_changes true)"
             )
+        saved_world = len(_per_process(saved))
+        if saved_world != world and any(p.get("pending") or p.get("waiting") is not None for p in _per_process(saved)):
+            raise ValueError(
+                f"the checkpoint holds the unspent rollouts of {saved_world} process{'es' * (saved_world > 1)} in the middle "
+                f"of a round and this run has {world}: resume on {saved_world} (trainer.devices x trainer.num_nodes), or "
+                "from a checkpoint written at the end of a round with no rollouts waiting"
+            )
 
     def state_dict(self) -> dict:
+        """The round counters and each process's unspent micro-batches and waiting rollouts, by rank: gathered, as
+        Lightning writes process 0's state only, so under several processes every process must call it (as
+        ``Trainer.save_checkpoint`` does)."""
         # micro-batches of an optimizer step that has not happened yet (a checkpoint written on an
         # exception or Ctrl-C in the middle of a step) are trained again after a resume
         unfinished = [b for step, b in self.in_flight if self.trainer is None or step == self.trainer.global_step]
+        own = {"pending": [b.to_state() for b in unfinished + self.pending],
+               "waiting": None if self.waiting is None else self.waiting.to_state()}
         return {
             "run_shape": self.run_shape(self._objective()),
             "rounds_done": self.rounds_done,
             "prompt_draws": self.prompt_draws,
-            "pending": [b.to_state() for b in unfinished + self.pending],
-            "waiting": None if self.waiting is None else self.waiting.to_state(),
+            "processes": _gathered(own),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.check_resume(state_dict.get("run_shape", {}), self._objective())
+        """Restores the counters and this process's rollouts (none at the end of a round: such a checkpoint resumes
+        on any number of processes); :meth:`check_resume` first."""
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        self.check_resume(state_dict, self._objective(), world)
+        processes = _per_process(state_dict)
+        own = processes[rank] if len(processes) == world else {"pending": [], "waiting": None}
         self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
-        self.pending = [RolloutBatch.from_state(s) for s in state_dict["pending"]]
-        self.waiting = None if state_dict["waiting"] is None else RolloutBatch.from_state(state_dict["waiting"])
+        self.pending = [RolloutBatch.from_state(s) for s in own["pending"]]
+        self.waiting = None if own["waiting"] is None else RolloutBatch.from_state(own["waiting"])
+
+
+def _gathered(state: dict) -> list[dict]:
+    """``state`` of every process, by rank; ``[state]`` in a single process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _per_process(saved: dict) -> list[dict]:
+    """The per-process states in ``saved``; the state itself where written before they were (it holds one process's)."""
+    return saved.get("processes", [saved])
 
 
 @functools.lru_cache(maxsize=4)

@@ -212,14 +212,15 @@ def newest_last_checkpoint(config: Namespace) -> str:
     return str(max(found, key=lambda path: path.stat().st_mtime))
 
 
-def _saved_run(checkpoint: Path) -> dict:
-    """The run folder a RunCheckpoint recorded in ``checkpoint`` (a file or a sharded folder); empty when none."""
+def checkpoint_metadata(checkpoint: Path) -> dict:
+    """What a checkpoint holds besides the weights: a file (memory-mapped), or a sharded folder's ``meta.pt``; empty
+    when it is not readable as one."""
     source = checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint
     try:
         saved = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
     except Exception:
         return {}  # a file that is not a checkpoint is refused, with its reason, by the --ckpt_path check
-    return saved.get("run", {}) if isinstance(saved, dict) else {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def continue_run_folder(config: Namespace, ckpt_path: str) -> None:
@@ -234,7 +235,7 @@ def continue_run_folder(config: Namespace, ckpt_path: str) -> None:
         number = re.fullmatch(r"version_(\d+)", folder)
         logger.version = int(number[1]) if number else folder
         return
-    saved = _saved_run(checkpoint)
+    saved = checkpoint_metadata(checkpoint).get("run", {})
     if saved.get("version") is not None and (Path(saved["save_dir"] or ".") / (saved["name"] or "")).resolve() == runs:
         logger.version = saved["version"]
 

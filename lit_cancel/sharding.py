@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 class ModelRoot(nn.Module):
@@ -146,6 +147,14 @@ def gathered(root: nn.Module) -> Iterator[None]:
 
 
 def total_norm(tensors: list[Tensor]) -> Tensor:
-    """The 2-norm of ``tensors`` taken together; sharded ones (DTensor, under FSDP2) count whole, on every process."""
-    norm = torch.nn.utils.get_total_norm(tensors)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """The 2-norm of ``tensors`` taken together; sharded ones (DTensor, under FSDP2) count whole, on every process.
+
+    ``tensors`` may mix both: after a forward without backward (old log-probs, a health probe), the FSDP2 root keeps
+    its parameters gathered as plain tensors while the blocks' are sharded again.
+    """
+    sharded = [t for t in tensors if isinstance(t, DTensor)]
+    whole = [t for t in tensors if not isinstance(t, DTensor)]
+    if not sharded:
+        return torch.nn.utils.get_total_norm(whole)
+    norm = torch.nn.utils.get_total_norm(sharded).full_tensor()
+    return torch.linalg.vector_norm(torch.stack([norm, torch.nn.utils.get_total_norm(whole).to(norm)])) if whole else norm

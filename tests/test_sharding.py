@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lit_cancel import RLModule
-from lit_cancel.sharding import ModelRoot, shard
+from lit_cancel.sharding import ModelRoot, shard, total_norm
 
 SCRIPT = Path(__file__).parent / "split_step.py"
 OBJECTIVES = ["GRPO", "DFPOMin"]
@@ -67,3 +70,15 @@ def test_lightnings_fsdp_v1_strategy_is_refused_where_the_module_is_sharded():
     with pytest.raises(ValueError, match=r"^trainer.strategy FSDPStrategy is Lightning's FSDP \(v1\), which lit_cancel does "
                                          r"not support: shard with FSDP2, class_path: lightning.pytorch.strategies.ModelParallelStrategy"):
         shard(ModelRoot(nn.Linear(2, 2)), FSDPStrategy())
+
+
+def test_total_norm_counts_sharded_and_whole_tensors_together():
+    """The FSDP2 root's parameters stay gathered (plain tensors) after a forward without backward, the blocks' sharded."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = distribute_tensor(torch.tensor([3.0, 0.0]), init_device_mesh("cpu", (1,)), [Shard(0)])
+        whole = [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 12.0])]  # one value would pass as a replicated DTensor
+        assert float(total_norm([sharded, *whole])) == pytest.approx(13.0)
+        assert float(total_norm(whole)) == pytest.approx(float(torch.tensor([4.0, 12.0]).norm()))
+    finally:
+        dist.destroy_process_group()
