@@ -6,7 +6,8 @@
 Each fault is a change to ``configs/quickstart.yaml`` that a user could make (a learning rate, a completion limit, a
 KL coefficient, a reward function, prompts of another difficulty, a sampling temperature); each healthy run is the
 quickstart or another shipped objective. Prompts too easy cannot be planted on the shipped model, which adds 3-digit
-numbers only (it solves no 1- or 2-digit sum): that side of ``no_reward_difference`` is tested on synthetic series. Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
+numbers only (it solves no 1- or 2-digit sum): that side of ``no_reward_difference`` is tested on synthetic series.
+Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
 steps with ``lit-cancel fit`` (the run doctor's callback is in the config), then ``lit_cancel.run_history.read_run``
 reads its event files and the rules diagnose them as ``lit-cancel diagnose`` does, at every 10th step and at the end.
 A faulty run counts as right when the first finding at the end names the planted cause; "known at" is the first

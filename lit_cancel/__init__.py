@@ -17,7 +17,7 @@ _EXPORTS = {
     "RolloutBatch": "lit_cancel.batch",
     "AtomicCheckpointIO": "lit_cancel.checkpointing",
     "CheckpointWriteError": "lit_cancel.checkpointing",
-    "LogWriteError": "lit_cancel.checkpointing",
+    "LogWriteError": "lit_cancel.log_errors",
     "RunCheckpoint": "lit_cancel.checkpointing",
     "RunStopped": "lit_cancel.checkpointing",
     "AsymmetricClip": "lit_cancel.clipping",

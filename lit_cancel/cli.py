@@ -30,8 +30,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 
 from lit_cancel import audit, checkpointing, presets
-from lit_cancel.checkpointing import LogWriteError, RunStopped, log_folder, os_error_in, report_log_write_errors, stops_reported
+from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
+from lit_cancel.log_errors import log_write_error, quiet_log_writer_threads, report_log_write_errors
 from lit_cancel.objectives import Objective
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.runs import checkpoint_metadata, prepare_run
@@ -264,7 +265,7 @@ class LitCancelCLI(LightningCLI):
             with stops_reported(self.trainer):
                 super()._run_subcommand(subcommand)
         except _RUN_ERRORS as error:
-            if logs := _log_write_error(self.trainer, error):
+            if logs := log_write_error(self.trainer, error):
                 raise logs from error
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
@@ -348,31 +349,6 @@ def cpu_has_native_bf16() -> bool | None:
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags[1].split()))
 
 
-def _log_write_error(trainer, error: BaseException) -> LogWriteError | None:
-    """A LogWriteError for an OSError naming a file in a logger's folder (a callback writing to ``logger.experiment``)."""
-    cause = os_error_in(error)
-    if cause is None or not cause.filename:
-        return None
-    written = Path(os.fsdecode(cause.filename)).resolve()
-    for logger in trainer.loggers:
-        folder = getattr(logger, "log_dir", None)
-        if folder and written.is_relative_to(Path(folder).resolve()):
-            return LogWriteError(log_folder(logger, cause), cause, trainer)
-    return None
-
-
-def _quiet_log_writer_threads(previous):
-    """A ``threading.excepthook`` that does not print the traceback of TensorBoard's event-writing thread when it
-    cannot write (a full disk): the run reports that error when it next logs."""
-
-    def hook(args) -> None:
-        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
-            return
-        previous(args)
-
-    return hook
-
-
 def _class(class_path: str) -> type:
     module, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -415,7 +391,7 @@ def main() -> None:
     command = sys.argv[1:2]
     excepthook = threading.excepthook
     if not debugging():
-        threading.excepthook = _quiet_log_writer_threads(excepthook)
+        threading.excepthook = quiet_log_writer_threads(excepthook)
     try:
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))

@@ -1,12 +1,10 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
 import functools
-import math
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
@@ -14,13 +12,9 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved
 from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
-from lit_cancel.sharding import total_norm
+from lit_cancel.round_warnings import CannotLearnWarnings
 from lit_cancel.tasks import Record, Task
 
-# a condition under which a run cannot learn is warned about at its first round and every this many rounds while it lasts
-WARN_EVERY_N_ROUNDS = 10
-# the weight norm is "exploding" above this multiple of its value at the first round
-EXPLODING_WEIGHT_NORM = 10.0
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
 
 
@@ -139,8 +133,7 @@ class RolloutDataModule(TaskDataModule):
         self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
         self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
         self.allow_resume_changes = allow_resume_changes
-        self.cannot_learn_rounds: dict[str, int] = {}
-        self.start_weight_norm: float | None = None
+        self.cannot_learn = CannotLearnWarnings()
         # the room for prompts (context minus max_new_tokens) that every prompt was found to fit in
         self.prompts_fit_in: int | None = None
         self.rounds_done = 0
@@ -293,46 +286,8 @@ class RolloutDataModule(TaskDataModule):
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.stop_token_ids)
         engine = self.trainer.lightning_module.engine
         stats |= engine_stats | staleness_stats(kept, self.trainer.global_step, self.steps_per_round, engine.max_staleness)
-        self.warn_if_cannot_learn(stats)
+        self.cannot_learn.warn(self.trainer.lightning_module, stats, self.rounds_done + 1)
         return kept, stats
-
-    def warn_if_cannot_learn(self, stats: dict[str, float]) -> None:
-        """Warns, on rank 0, of what keeps this round from teaching the policy anything: every completion cut at
-        ``max_new_tokens``, no reward variance in any group, a weight norm that is not finite or above
-        ``EXPLODING_WEIGHT_NORM`` times its value at the first round. Each is warned at its first round and every
-        ``WARN_EVERY_N_ROUNDS`` rounds while it lasts."""
-        module = self.trainer.lightning_module
-        weight_norm = float(total_norm([p.detach() for p in module.parameters() if p.requires_grad]))
-        if self.start_weight_norm is None:
-            self.start_weight_norm = weight_norm
-        round_number = self.rounds_done + 1
-        lasting = f"(warned every {WARN_EVERY_N_ROUNDS} rounds while it lasts)"
-        if not math.isfinite(weight_norm):
-            weights = f"round {round_number}: the weight norm is {weight_norm}; lower the learning rate {lasting}"
-        elif weight_norm > EXPLODING_WEIGHT_NORM * self.start_weight_norm:
-            weights = (
-                f"round {round_number}: the weight norm is {weight_norm:.4g}, more than {EXPLODING_WEIGHT_NORM:g} times its "
-                f"{self.start_weight_norm:.4g} at the first round (exploding); lower the learning rate or the weight decay {lasting}"
-            )
-        else:
-            weights = None
-        truncated = (
-            f"round {round_number}: every completion reached max_new_tokens={getattr(module, 'max_new_tokens', '?')} without an "
-            f"end-of-sequence token, so every reward scores a cut-off answer; raise model.init_args.max_new_tokens {lasting}"
-        )
-        no_signal = (
-            f"round {round_number}: every group's rewards are equal (mean reward {stats['rollout/reward_mean']:g}), so every "
-            f"advantage is 0 and the policy gets no learning signal; check the task's reward on the rollouts {lasting}"
-        )
-        conditions = {
-            "truncated": truncated if stats["rollout/frac_truncated"] == 1 else None,
-            "no_signal": no_signal if stats["rollout/frac_zero_std_groups"] == 1 else None,
-            "weights": weights,
-        }
-        for name, message in conditions.items():
-            self.cannot_learn_rounds[name] = self.cannot_learn_rounds.get(name, 0) + 1 if message else 0
-            if message and self.cannot_learn_rounds[name] % WARN_EVERY_N_ROUNDS == 1:
-                rank_zero_warn(message)
 
     def make_round(self) -> list[RolloutBatch]:
         """Samples one round with the current policy and plans its micro-batches."""

@@ -20,7 +20,7 @@ from test_run_safety import console, saved_step
 from transformers import AutoTokenizer
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, cli
-from lit_cancel.data import WARN_EVERY_N_ROUNDS
+from lit_cancel.round_warnings import WARN_EVERY_N_ROUNDS
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 STOPPED_AT = "lit-cancel: the run stopped at step {} (LIT_CANCEL_DEBUG=1 shows the traceback)"
