@@ -50,12 +50,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
+    folder = tempfile.mkdtemp()  # the run's TensorBoard files: the loggers' writes are part of a step
     cli = LitCancelCLI(
         L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
         trainer_defaults={"inference_mode": False}, auto_configure_optimizers=False,
         args=["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
               f"--trainer.max_steps={args.steps}", "--trainer.limit_val_batches=0",
-              "--trainer.enable_progress_bar=false", "--trainer.logger=false", f"--trainer.default_root_dir={tempfile.mkdtemp()}"],
+              "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={folder}",
+              f"--trainer.default_root_dir={folder}"],
     )
     spent = {}
     for callback in cli.trainer.callbacks:
