@@ -16,6 +16,11 @@ def _steps(history: RunHistory, name: str, share: float = 0.25) -> str:
     return f"steps {steps[0]}-{steps[-1]}"
 
 
+def _late(history: RunHistory, name: str, share: float = 0.25) -> float:
+    """The mean of the last ``share`` of a series."""
+    return mean(tail(history.values(name), share))
+
+
 def _accuracy(history: RunHistory) -> tuple[str, float] | None:
     """The late accuracy, or the late reward when no accuracy is logged, with the series' name."""
     for name in ("rollout/accuracy", "rollout/reward_mean"):
@@ -36,7 +41,7 @@ class RewardIgnoresAnswer(Rule):
     max_correlation = 0.2
 
     def check(self, history: RunHistory) -> Finding | None:
-        correlation = mean(tail(history.values("rollout/reward_correct_corr"), 0.5))
+        correlation = _late(history, "rollout/reward_correct_corr", 0.5)
         if correlation >= self.max_correlation:
             return None
         return self.finding(
@@ -65,13 +70,13 @@ class LowTemperature(Rule):
 
     def check(self, history: RunHistory) -> Finding | None:
         temperature = history.settings["temperature"]
-        share = mean(tail(history.values("rollout/frac_zero_std_groups")))
+        share = _late(history, "rollout/frac_zero_std_groups")
         if share < self.min_zero_std:
             return None
         evidence = (f"sampling temperature {temperature:g} (threshold {self.max_temperature:g}); rollout/frac_zero_std_groups "
                     f"averages {share:.2f} over {_steps(history, 'rollout/frac_zero_std_groups')} (threshold {self.min_zero_std})")
         if "health/entropy" in history:
-            evidence += f"; health/entropy averages {mean(tail(history.values('health/entropy'))):.3f}"
+            evidence += f"; health/entropy averages {_late(history, 'health/entropy'):.3f}"
         return self.finding(
             "severe", f"Sampling at temperature {temperature:g} makes a group's samples alike: their rewards do not differ.",
             evidence + ".", "sample at temperature 1.0 (model.init_args.temperature).", strength=share, history=history,
@@ -92,7 +97,7 @@ class NoRewardDifference(Rule):
     failed = 0.2  # and below which as too hard
 
     def check(self, history: RunHistory) -> Finding | None:
-        share = mean(tail(history.values("rollout/frac_zero_std_groups")))
+        share = _late(history, "rollout/frac_zero_std_groups")
         if share < self.warn_share:
             return None
         severity = "severe" if share >= self.severe_share else "warning"
@@ -192,14 +197,14 @@ class Truncation(Rule):
     severe_share = 0.5
 
     def check(self, history: RunHistory) -> Finding | None:
-        share = mean(tail(history.values("rollout/frac_truncated")))
+        share = _late(history, "rollout/frac_truncated")
         if share < self.warn_share:
             return None
         evidence = (f"rollout/frac_truncated averages {share:.2f} over {_steps(history, 'rollout/frac_truncated')} "
                     f"(threshold {self.warn_share})")
         if "rollout/reward_truncated" in history and "rollout/reward_finished" in history:
-            evidence += (f"; truncated completions earn {mean(tail(history.values('rollout/reward_truncated'))):.2f} "
-                         f"against {mean(tail(history.values('rollout/reward_finished'))):.2f} for finished ones")
+            evidence += (f"; truncated completions earn {_late(history, 'rollout/reward_truncated'):.2f} "
+                         f"against {_late(history, 'rollout/reward_finished'):.2f} for finished ones")
         limit = history.settings.get("max_new_tokens")
         remedy = (f"raise model.init_args.max_new_tokens (now {limit:g}) to about {2 * limit:g}" if limit
                   else "raise the completion limit (max_new_tokens) about 2x") + ", or penalise length in the reward."
@@ -217,7 +222,7 @@ class KLDominates(Rule):
     max_share = 0.2
 
     def check(self, history: RunHistory) -> Finding | None:
-        share = mean(tail(history.values("objective/kl_share")))
+        share = _late(history, "objective/kl_share")
         if share < self.max_share:
             return None
         coef = history.settings.get("kl_coef")
@@ -245,9 +250,9 @@ class PolicyFrozen(Rule):
         ratio = statistics.median(tail(history.values("health/update_ratio"), 0.5))
         if ratio >= self.max_ratio:
             return None
-        if "rollout/frac_zero_std_groups" in history and mean(tail(history.values("rollout/frac_zero_std_groups"))) >= self.max_zero_std:
+        if "rollout/frac_zero_std_groups" in history and _late(history, "rollout/frac_zero_std_groups") >= self.max_zero_std:
             return None
-        lr = mean(tail(history.values("lr"))) if "lr" in history else None
+        lr = _late(history, "lr") if "lr" in history else None
         return self.finding(
             "warning", "The learning rate is too low: the policy barely moves.",
             f"health/update_ratio has a median of {ratio:.1e} over {_steps(history, 'health/update_ratio', 0.5)} "
@@ -269,7 +274,7 @@ class SamplerMismatch(Rule):
     max_mismatch = 0.05
 
     def check(self, history: RunHistory) -> Finding | None:
-        mismatch = mean(tail(history.values("rollout/logprob_mismatch")))
+        mismatch = _late(history, "rollout/logprob_mismatch")
         if mismatch < self.max_mismatch:
             return None
         return self.finding(
@@ -324,7 +329,7 @@ class EntropyCollapse(Rule):
         evidence = (f"health/entropy fell from {start:.3f} to {end:.3f} ({end / start:.0%} of its start; threshold "
                     f"{self.min_ratio:.0%}) by {_steps(history, 'health/entropy')}")
         temperature = history.settings.get("temperature")
-        tax = mean(tail(history.values("health/learning_tax"))) if "health/learning_tax" in history else None
+        tax = _late(history, "health/learning_tax") if "health/learning_tax" in history else None
         if temperature is not None and temperature < self.low_temperature:
             cause = f"Entropy collapsed, sharpened by sampling at temperature {temperature:g}."
             remedy = "sample at temperature 1.0 (model.init_args.temperature)."
@@ -351,12 +356,12 @@ class LearningTaxDrift(Rule):
     min_drift = 0.5  # preference entropy left, as a share of its start
 
     def check(self, history: RunHistory) -> Finding | None:
-        tax = mean(tail(history.values("health/learning_tax")))
+        tax = _late(history, "health/learning_tax")
         if tax < self.max_tax:
             return None
         evidence = (f"health/learning_tax averages {tax:.2f} over {_steps(history, 'health/learning_tax')} (threshold {self.max_tax})")
         if "health/drift_preference_entropy_ratio" in history:
-            drift = mean(tail(history.values("health/drift_preference_entropy_ratio")))
+            drift = _late(history, "health/drift_preference_entropy_ratio")
             if drift > self.min_drift:
                 return None
             evidence += f"; health/drift_preference_entropy_ratio fell to {drift:.2f} (threshold {self.min_drift})"

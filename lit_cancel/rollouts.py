@@ -44,18 +44,24 @@ def checked_reward(reward: object, source: str, where: str) -> float:
     raise RewardError(f"{source} returned {reward!r} ({type(reward).__name__}), expected a finite number, {where}")
 
 
-def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
-    """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises or returns a non-number is named with its input."""
-    source = f"{type(task).__name__}.reward"
-    rewards = []
+def judged(task: Task, method: str, check, records: list[Record], completions: list[str]) -> Tensor:
+    """``check(task.<method>(records[i], completions[i]), source, where)`` for each pair; a method that raises is named
+    with its input, as ``check`` names a value it refuses."""
+    source = f"{type(task).__name__}.{method}"
+    values = []
     for record, completion in zip(records, completions, strict=True):
         where = f"on prompt {record['prompt']!r} and completion {completion!r}"
         try:
-            reward = task.reward(record, completion)
+            value = getattr(task, method)(record, completion)
         except Exception as error:
             raise RewardError(f"{source} raised {type(error).__name__}: {error} {where}") from error
-        rewards.append(checked_reward(reward, source, where))
-    return torch.tensor(rewards)
+        values.append(check(value, source, where))
+    return torch.tensor(values)
+
+
+def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
+    """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises or returns a non-number is named with its input."""
+    return judged(task, "reward", checked_reward, records, completions)
 
 
 def checked_verdict(verdict: object, source: str, where: str) -> float:
@@ -73,16 +79,7 @@ def checked_verdict(verdict: object, source: str, where: str) -> float:
 def correctness(task: Task, records: list[Record], completions: list[str]) -> Tensor:
     """Whether ``completions[i]`` is correct for ``records[i]`` by ``task.correct``: 1.0, 0.0, or NaN where the task
     cannot tell (None); a ``correct`` that raises or returns something else is named with its input."""
-    source = f"{type(task).__name__}.correct"
-    verdicts = []
-    for record, completion in zip(records, completions, strict=True):
-        where = f"on prompt {record['prompt']!r} and completion {completion!r}"
-        try:
-            verdict = task.correct(record, completion)
-        except Exception as error:
-            raise RewardError(f"{source} raised {type(error).__name__}: {error} {where}") from error
-        verdicts.append(checked_verdict(verdict, source, where))
-    return torch.tensor(verdicts)
+    return judged(task, "correct", checked_verdict, records, completions)
 
 
 def accuracy_terms(task: Task, records: list[Record], completions: list[str]) -> Tensor:

@@ -226,7 +226,7 @@ def test_a_checkpoint_written_before_correctness_was_recorded_resumes(tmp_path):
     fit(make(), 1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1)])
     path = tmp_path / "epoch=0-step=1.ckpt"
     checkpoint = torch.load(path, weights_only=False)
-    state = checkpoint["RolloutDataModule"]
+    (state,) = checkpoint["RolloutDataModule"]["processes"]
     assert len(state["pending"]) == 1 and state["pending"][0]["correct"] is not None
     for pending in state["pending"]:
         del pending["correct"]  # as the rollout state was written before
