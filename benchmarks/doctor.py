@@ -51,7 +51,7 @@ CASES = [
     Case("reward ignores the answer", "reward_ignores_answer", (f"{TASK}.reward_fn=doctor_rewards.ignores_answer",)),
     Case("reward always 1", "no_reward_difference", (f"{TASK}.reward_fn=doctor_rewards.always_one",)),
     Case("6-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=6",)),
-    Case("temperature 0.3", "entropy_collapse", (f"{MODEL}.temperature=0.3",)),
+    Case("temperature 0.3", "low_temperature", (f"{MODEL}.temperature=0.3",)),
     Case("quickstart", None, ()),
     Case("DrGRPO", None, (f"{MODEL}.objective=lit_cancel.DrGRPO", f"{MODEL}.objective.init_args.length=40")),
     Case("DFPOMin, 2 mini-batches", None, (f"{MODEL}.objective=lit_cancel.DFPOMin", f"{DATA}.mini_batches_per_round=2")),

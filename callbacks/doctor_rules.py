@@ -105,11 +105,14 @@ class NoRewardDifference(Rule):
                     f"(threshold {self.warn_share})")
         level = _accuracy(history)
         rewards = history.values("rollout/reward_mean")
-        if rewards and len(set(rewards)) == 1 and share >= self.severe_share:
+        # one reward everywhere while a task's own check finds some completions right and others wrong
+        if rewards and len(set(rewards)) == 1 and level is not None and self.failed < level[1] < self.solved:
             cause, remedy = (
-                f"Every rollout gets the same reward ({rewards[0]:g}): the reward does not depend on the completion.",
+                f"Every rollout gets the same reward ({rewards[0]:g}) though {level[1]:.0%} are correct: the reward does not "
+                "depend on the completion.",
                 "check the task's reward function on a correct and a wrong completion: it must score them apart.",
             )
+            evidence += f"; {level[0]} is {level[1]:.2f}"
         elif level is not None and level[1] >= self.solved:
             cause, remedy = (
                 "The prompts are too easy: most groups solve every sample, so they carry no advantage.",

@@ -65,13 +65,14 @@ def test_groups_without_reward_difference_name_the_side(accuracy, word):
     assert f"{accuracy:.2f}" in findings[0].evidence
 
 
-def test_a_constant_reward_is_told_from_easy_prompts():
+@pytest.mark.parametrize(("accuracy", "cause"), [(0.6, "same reward (0) though 60% are correct"), (0.0, "too hard")])
+def test_a_constant_reward_is_told_from_prompts_that_all_fail_by_correctness(accuracy, cause):
     findings = found(healthy(**{
         "rollout/frac_zero_std_groups": series(lambda s: 1.0),
-        "rollout/reward_mean": series(lambda s: 1.0),
-        "rollout/accuracy": series(lambda s: 1.0),
+        "rollout/reward_mean": series(lambda s: 0.0),
+        "rollout/accuracy": series(lambda s: accuracy),
     }))
-    assert "same reward (1)" in findings[0].cause
+    assert findings[0].rule == "no_reward_difference" and cause in findings[0].cause
 
 
 def test_half_the_groups_without_difference_is_not_a_finding():
