@@ -65,13 +65,10 @@ class LowTemperature(Rule):
     max_temperature = 0.8
     min_zero_std = 0.5
 
-    def applies(self, history: RunHistory) -> bool:
-        return super().applies(history) and history.settings.get("temperature", 1.0) < self.max_temperature
-
     def check(self, history: RunHistory) -> Finding | None:
-        temperature = history.settings["temperature"]
+        temperature = history.settings.get("temperature", 1.0)
         share = _late(history, "rollout/frac_zero_std_groups")
-        if share < self.min_zero_std:
+        if temperature >= self.max_temperature or share < self.min_zero_std:
             return None
         evidence = (f"sampling temperature {temperature:g} (threshold {self.max_temperature:g}); rollout/frac_zero_std_groups "
                     f"averages {share:.2f} over {_steps(history, 'rollout/frac_zero_std_groups')} (threshold {self.min_zero_std})")
