@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 from lit_cancel import cli
+from lit_cancel.checkpointing import COMPLETE_MARKER
 from lit_cancel.cli import run_cli as main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -255,6 +256,7 @@ def test_sharded_checkpoint_folder_is_read_for_its_kind(tmp_path, monkeypatch, c
     from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 
     torch_save_to_dcp(checkpoints["lora"], tmp_path / "sharded.ckpt")
+    (tmp_path / "sharded.ckpt" / COMPLETE_MARKER).touch()  # as RunCheckpoint marks a folder once every process wrote
     validate = ["validate", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={tmp_path / 'sharded.ckpt'}"]
     assert "sharded.ckpt is a LoRA checkpoint (adapters only)" in console_error(monkeypatch, capsys, *validate)[-1]
 
