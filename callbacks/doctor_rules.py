@@ -25,7 +25,7 @@ def _accuracy(history: RunHistory) -> tuple[str, float] | None:
     """The late accuracy, or the late reward when no accuracy is logged, with the series' name."""
     for name in ("rollout/accuracy", "rollout/reward_mean"):
         if name in history:
-            return name, mean(tail(history.values(name)))
+            return name, _late(history, name)
     return None
 
 

@@ -144,7 +144,7 @@ class RunDoctor(Callback):
         change = sum(float(((a - b) ** 2).sum()) for a, b in zip(after, self._before, strict=True))
         size = sum(float((b**2).sum()) for b in self._before)
         self._before = None
-        metrics = {name: value for name, value in trainer.callback_metrics.items() if name in SERIES}
+        metrics = dict(trainer.callback_metrics)  # record keeps the names of SERIES
         if size > 0:
             metrics["health/update_ratio"] = math.sqrt(change / size)
             pl_module.log("health/update_ratio", metrics["health/update_ratio"], on_step=True, on_epoch=False)
