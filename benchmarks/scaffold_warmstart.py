@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from experiment_parts import scaffold_probabilities
+from lab.parts import scaffold_probabilities
 
 ROOT = Path(__file__).resolve().parent.parent
 E8 = ROOT / "benchmarks" / "experiments" / "E8"

@@ -2,7 +2,7 @@
 
 ``load()`` gives ``experiment -> (arm, setting) -> seed -> summary``; the helpers below derive the
 quantities that need more than one scalar (steps to a threshold, drift at matched movement, token
-flips at equal confidence). benchmarks/experiments_report.py turns them into tables.
+flips at equal confidence). ``lab.report`` turns them into tables.
 """
 
 import json
@@ -10,7 +10,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from experiments import RESULTS
+from lab.runs import RESULTS
 
 FLIP_SPLITS = ("positive", "negative", "shared", "specific", "positive_specific", "negative_specific")
 FLIP_TAGS = [f"health/flip_{kind}_{part}" for part in FLIP_SPLITS for kind in ("boosted", "suppressed", "mean_abs_change")]

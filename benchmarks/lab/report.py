@@ -1,27 +1,17 @@
-"""Tables and PNGs of the cancellation experiments, from the per-run JSON that benchmarks/experiments.py stores.
+"""Tables and PNGs of the cancellation experiments, from the per-run JSON that ``lab.runs`` stores.
 
 Rewrites the part of docs/experiments.md between the two markers below and the PNGs in
 benchmarks/experiments/. Every number is a function of the stored TensorBoard scalars, summarised
-per run by benchmarks/experiments_runs.py.
+per run by ``lab.summaries``.
 """
 
 import json
 import math
 from pathlib import Path
 
-from experiments import (
-    E2_SCAFFOLDS,
-    E2_SPREADS,
-    RESULTS,
-    ROOT,
-    STUDY,
-    mean_interval,
-    minimal_detectable_effect,
-    paired_difference,
-    slope_interval,
-    verdict,
-)
-from experiments_runs import (
+from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
+from lab.stats import mean_interval, minimal_detectable_effect, paired_difference, slope_interval, verdict
+from lab.summaries import (
     BINNED_SPLITS,
     CONFIDENCE_BINS,
     FLIP_SPLITS,

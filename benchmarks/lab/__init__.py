@@ -1,0 +1,12 @@
+"""The cancellation experiments' code (docs/experiments.md), run by ``python benchmarks/experiments.py``.
+
+Each module imports only the ones before it, so there is no import circle:
+
+* ``lab.stats``: the statistics, pure Python (intervals, t-tests, Holm, TOST, MDE, ratio intervals);
+* ``lab.runs``: what each experiment runs, how a run is executed, stored (with its provenance) and replayed;
+* ``lab.summaries``: each stored run's numbers, read from its TensorBoard scalars;
+* ``lab.report``: the tables and PNGs of docs/experiments.md and the experiment numbers of README.md;
+* ``lab.parts``: callbacks, trust regions and plans the runs load by class path (``lab.parts.X``).
+
+The results live beside the code, one JSON per run in ``benchmarks/experiments/<experiment>/``.
+"""
