@@ -4,6 +4,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -69,3 +71,28 @@ def test_replay_comparison_names_each_differing_series_and_its_first_step():
 def test_replay_comparison_counts_a_shifted_step_as_a_difference():
     comparison = runs.compare_scalars({"a": [[0, 1.0], [10, 2.0]]}, {"a": [[0, 1.0], [11, 2.0]]})
     assert comparison["differ"]["a"]["first_step"] == 10 and not comparison["identical"]
+
+
+def test_the_docs_and_the_readme_quote_the_stored_json():
+    """docs/experiments.md's generated part and README.md's experiment bullets are what the stored JSON gives today
+    (``python benchmarks/experiments.py --report`` rewrites both)."""
+    from lab import report
+
+    results, probes = report.load_all()
+    generated = "\n".join(report.generated(results, probes))
+    assert generated in report.DOC.read_text(), "docs/experiments.md is stale: run python benchmarks/experiments.py --report"
+    readme = report.README.read_text()
+    assert "\n".join(report.readme_lines(results)) in readme, "README.md is stale: run python benchmarks/experiments.py --report"
+    assert len(readme.splitlines()) <= 200
+
+
+def test_every_comparison_in_a_holm_family_is_adjusted_together():
+    from lab import report
+
+    results, probes = report.load_all()
+    report.generated(results, probes)
+    # E9's plan comparisons: five distinct ones (reward-balanced − shuffled is shown from both sides, counted once)
+    e9 = report.FAMILIES.adjusted["E9 accuracy"]
+    assert len(e9) == 5 and e9[report.pair("reward_balanced", "shuffled")] == pytest.approx(0.2185, abs=0.002)
+    raw = report.FAMILIES.raw["E9 accuracy"]
+    assert min(raw.values()) == raw[report.pair("reward_balanced", "shuffled")] == pytest.approx(0.0437, abs=0.0005)
