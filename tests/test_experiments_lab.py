@@ -96,3 +96,9 @@ def test_every_comparison_in_a_holm_family_is_adjusted_together():
     assert len(e9) == 5 and e9[report.pair("reward_balanced", "shuffled")] == pytest.approx(0.2185, abs=0.002)
     raw = report.FAMILIES.raw["E9 accuracy"]
     assert min(raw.values()) == raw[report.pair("reward_balanced", "shuffled")] == pytest.approx(0.0437, abs=0.0005)
+
+
+def test_provenance_records_pip_freeze_as_a_list_of_lines():
+    frozen = runs.pip_freeze()
+    assert isinstance(frozen, list) and all(isinstance(line, str) and line.strip() for line in frozen)
+    assert any(line.lower().startswith("torch") for line in frozen)
