@@ -2,7 +2,7 @@
 
 ``load()`` gives ``experiment -> (arm, setting) -> seed -> summary``; the helpers below derive the
 quantities that need more than one scalar (steps to a threshold, drift at matched movement, token
-flips at equal confidence). ``lab.report`` turns them into tables.
+flips at equal confidence). ``lab.sections`` turns them into tables.
 """
 
 import json
