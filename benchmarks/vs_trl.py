@@ -85,7 +85,7 @@ def write_model(folder: Path, row: Row) -> int:
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=row.hidden, intermediate_size=row.mlp, num_hidden_layers=row.blocks,
-        num_attention_heads=row.heads, num_key_value_heads=row.heads, max_position_embeddings=512, tie_word_embeddings=True,
+        num_attention_heads=row.heads, num_key_value_heads=row.heads, max_position_embeddings=4096, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(SEED)

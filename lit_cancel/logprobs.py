@@ -6,6 +6,9 @@ logits are recomputed in the backward pass instead of being kept.
 
 With a token budget (``max_tokens_per_chunk``) the decoder too runs in chunks: rows sorted by
 completion length, each chunk cut to its own longest row, and the head sees completion tokens only.
+With ``recompute_chunks`` each chunk's decoder pass is checkpointed too: the backward pass recomputes
+one chunk at a time, so what autograd keeps grows with the budget and the completion tokens' final
+states, not with every block's activations over the whole batch.
 With ``pack=True`` each chunk is instead one row of its sequences laid end to end, positions starting
 again at each, which Hugging Face attention reads as separate sequences (flash-attention attends within
 each sequence only; SDPA and eager mask a block-diagonal attention over the whole chunk).
@@ -69,6 +72,7 @@ def completion_logprobs(
     chunk_size: int = 1024,
     max_tokens_per_chunk: int | None = None,
     pack: bool = False,
+    recompute_chunks: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probabilities and entropies of the completion tokens ``input_ids[:, prompt_length:]``.
 
@@ -85,13 +89,18 @@ def completion_logprobs(
             completion tokens only. The values, and their gradient, are those of the whole batch.
         pack: with ``max_tokens_per_chunk``, run each chunk (consecutive rows, at most that many tokens in
             all) as one row of packed sequences, without any padding.
+        recompute_chunks: with ``max_tokens_per_chunk``, under autograd keep only each chunk's inputs and the
+            final states of its completion tokens, and run the chunk's decoder pass again in the backward
+            pass (activation checkpointing by chunk).
 
     Returns:
         ``(logprobs, entropy)``, each ``[B, C]`` float32. Entropy is detached. Values on padding
         positions are meaningless (zero with ``max_tokens_per_chunk``); mask them with the completion mask.
     """
     if max_tokens_per_chunk is not None:
-        return _chunked_logprobs(model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk, pack)
+        return _chunked_logprobs(
+            model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk, pack, recompute_chunks,
+        )
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
         input_ids=input_ids,
@@ -161,7 +170,7 @@ def _split_to(chunks: list[Tensor], count: int) -> list[Tensor]:
 
 def _chunked_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int, temperature: float, chunk_size: int,
-    max_tokens_per_chunk: int, pack: bool,
+    max_tokens_per_chunk: int, pack: bool, recompute_chunks: bool,
 ) -> tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` with the decoder in chunks (length-sorted, or packed) and the head on completion
     tokens only."""
@@ -176,18 +185,17 @@ def _chunked_logprobs(
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         chunks = _split_to(chunks, int(count))
     completion = attention_mask[:, prompt_length:].bool()
+    chunk_states = _packed_states if pack else _padded_states
+    recompute = recompute_chunks and torch.is_grad_enabled() and any(p.requires_grad for p in decoder.parameters())
     states, targets, rows, columns = [], [], [], []
     for chunk in chunks:
         start, end = unpadded_span(attention_mask[chunk], prompt_length)
         ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
         tokens = completion[chunk, : end - prompt_length]
-        if pack:
-            states.append(_packed_states(decoder, ids, mask, prompt_length - start))
+        if recompute:
+            states.append(checkpoint(chunk_states, decoder, ids, mask, prompt_length - start, use_reentrant=False))
         else:
-            positions = position_ids_from_mask(mask)
-            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
-            # the state at position t predicts token t + 1
-            states.append(hidden[:, prompt_length - start - 1 : -1][tokens])
+            states.append(chunk_states(decoder, ids, mask, prompt_length - start))
         targets.append(ids[:, prompt_length - start :][tokens])
         chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
         rows.append(chunk[chunk_rows])
@@ -196,6 +204,14 @@ def _chunked_logprobs(
     # back to the rows' own order and columns, zero on padding
     where = (torch.cat(rows), torch.cat(columns))
     return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
+
+
+def _padded_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length: int) -> Tensor:
+    """The decoder's states that predict the completion tokens of ``ids`` (``[B, P + C]``, completions from ``prompt_length``),
+    in row-major order, from the rows as given (padding included)."""
+    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
+    # the state at position t predicts token t + 1
+    return hidden[:, prompt_length - 1 : -1][mask[:, prompt_length:].bool()]
 
 
 def _packed_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length: int) -> Tensor:

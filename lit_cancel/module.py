@@ -85,8 +85,11 @@ class PolicyModule(L.LightningModule):
             ``flash_attention_2`` with ``flash-attn`` on an NVIDIA GPU); None: Hugging Face's default.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
         lora: train LoRA adapters (peft) instead of the whole model.
-        activation_checkpointing: recompute each transformer block's activations in the backward
-            pass instead of keeping them (Hugging Face gradient checkpointing).
+        activation_checkpointing: recompute activations in the backward pass instead of keeping them. With
+            ``max_tokens_per_chunk``, by chunk: the backward pass runs each chunk's decoder pass again, one
+            chunk at a time, so memory grows with the chunk budget and the completion tokens' final states,
+            not with the batch's tokens times the blocks (for long completions). Without it, by transformer
+            block (Hugging Face gradient checkpointing). Either way one more forward pass per step.
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
@@ -153,7 +156,8 @@ class PolicyModule(L.LightningModule):
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
         self.stop_token_ids = stop_token_ids(model, self.tokenizer)
-        if activation_checkpointing:
+        self.recompute_chunks = activation_checkpointing and max_tokens_per_chunk is not None
+        if activation_checkpointing and not self.recompute_chunks:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             model = lora.apply(model)
@@ -189,7 +193,7 @@ class PolicyModule(L.LightningModule):
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
         return root(
             completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
-            self.max_tokens_per_chunk, self.pack_sequences,
+            self.max_tokens_per_chunk, self.pack_sequences, self.recompute_chunks,
         )
 
     def configure_model(self) -> None:

@@ -87,12 +87,13 @@ class GreedyBeforeTraining(L.Callback):
 def train(
     objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float,
     precision: str = "32-true", dtype: str | None = None, max_tokens_per_chunk: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> dict:
     # plain SGD: Adam's normalisation would turn float rounding in near-zero gradients into lr-sized steps
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
     module = FixedRollouts(
         "embedded:tiny-adder", objective=PRESETS[objective](kl_coef=kl_coef), optimizer=optimizer, dtype=dtype,
-        max_tokens_per_chunk=max_tokens_per_chunk,
+        max_tokens_per_chunk=max_tokens_per_chunk, activation_checkpointing=activation_checkpointing,
     )
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=8, group_size=4)
     saver, greedy, dtypes = SaveGradient(), GreedyBeforeTraining(), GatheredDtypes()
@@ -128,12 +129,13 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     # one per process, the last for the rest: processes can run different numbers of decoder chunks
     parser.add_argument("--max-tokens-per-chunk", type=int, nargs="+")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", 0))
     budget = args.max_tokens_per_chunk[min(rank, len(args.max_tokens_per_chunk) - 1)] if args.max_tokens_per_chunk else None
     results = {
         name: train(name, args.devices, args.strategy, args.accumulate, args.steps, args.kl_coef, args.precision,
-                    max_tokens_per_chunk=budget)
+                    max_tokens_per_chunk=budget, activation_checkpointing=args.activation_checkpointing)
         for name in args.objectives
     }
     if rank == 0:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -38,17 +39,48 @@ def test_chunked_logprobs_gradient_matches_full_logits(tiny_model_path):
         assert torch.allclose(chunked_grad, p.grad, atol=1e-6)
 
 
-def test_activation_checkpointing_gives_the_same_gradient():
+@pytest.mark.parametrize("max_tokens_per_chunk", [None, 6])
+def test_activation_checkpointing_gives_the_same_gradient(max_tokens_per_chunk):
     from lit_cancel import RLModule
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 5, 6, 7, 8, 9, 10, 11]])
     mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # rows of unequal length: two chunks of one row each under a budget of 6 tokens
     weights = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     gradients = []
     for checkpointing in (False, True):
-        module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing)
-        assert module.policy.model.is_gradient_checkpointing == checkpointing
+        module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing, max_tokens_per_chunk=max_tokens_per_chunk)
+        # by block without a token budget, by chunk with one
+        assert module.policy.model.is_gradient_checkpointing == (checkpointing and max_tokens_per_chunk is None)
+        assert module.recompute_chunks == (checkpointing and max_tokens_per_chunk is not None)
         logprobs, _ = module.completion_logprobs(module.policy, ids, mask, 4)
-        (logprobs * weights).sum().backward()
+        (logprobs * weights * mask[:, 4:]).sum().backward()
         gradients.append(torch.cat([p.grad.flatten() for p in module.policy.parameters()]))
-    assert torch.allclose(gradients[0], gradients[1], atol=1e-6)
+    assert gradients[0].abs().sum() > 0
+    torch.testing.assert_close(gradients[0], gradients[1], atol=1e-6, rtol=1e-5)
+
+
+def saved_bytes_of_a_pass(module, ids, mask, prompt_length) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one log-prob pass (outside checkpointed regions)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        module.completion_logprobs(module.policy, ids, mask, prompt_length)
+    return sum(saved)
+
+
+def test_recomputed_chunks_leave_autograd_only_the_final_states_of_completion_tokens():
+    from lit_cancel import RLModule
+
+    torch.manual_seed(0)
+    ids = torch.randint(5, 30, (8, 40))
+    mask = torch.ones_like(ids)
+    mask[::2, -10:] = 0
+    completion_tokens = int(mask[:, 10:].sum())
+    saved_bytes = {}
+    for checkpointing in (False, True):
+        module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing, max_tokens_per_chunk=64)
+        saved_bytes[checkpointing] = saved_bytes_of_a_pass(module, ids, mask, 10)
+    # one float32 state per completion token (what the head needs), plus the chunks' token ids
+    final_states = completion_tokens * module.policy.model.config.hidden_size * 4
+    assert final_states <= saved_bytes[True] <= 1.5 * final_states
+    assert saved_bytes[False] > 10 * final_states  # every block's activations

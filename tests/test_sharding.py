@@ -65,6 +65,16 @@ def test_fsdp2_under_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards_gradie
         assert abs(split["gradient"].norm() / whole["gradient"].norm() - 1) < 0.05, name
 
 
+def test_fsdp2_recomputing_uneven_chunks_reaches_the_gradient_and_parameters_of_one_process(one_process, tmp_path):
+    """Activation checkpointing by chunk under FSDP2: each backward recomputes its chunk's decoder pass (gathering the
+    shards again), with budgets that give the two processes different numbers of chunks."""
+    two = train(tmp_path, 2, "fsdp2", "--activation-checkpointing", "--max-tokens-per-chunk", "64", "24")
+    for name in OBJECTIVES:
+        split, whole = two[name], one_process[name]
+        assert torch.allclose(split["gradient"], whole["gradient"], rtol=1e-4, atol=1e-7), name
+        assert torch.allclose(split["parameters"], whole["parameters"], rtol=0, atol=2e-5), name
+
+
 def test_lightnings_fsdp_v1_strategy_is_refused_where_the_module_is_sharded():
     """Without the CLI (a Trainer built in Python), configure_model refuses it in the same one line."""
     with pytest.raises(ValueError, match=r"^trainer.strategy FSDPStrategy is Lightning's FSDP \(v1\), which lit_cancel does "
