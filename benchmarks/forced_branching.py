@@ -1,0 +1,233 @@
+"""Forced branching (E10): rollouts of one prompt that share an uncertain preamble by construction.
+
+A group sampled the usual way shares only the tokens the policy is nearly sure of (a position is
+shared by all ``G`` members with probability ``p^G``), so uncancelled credit there has almost no
+gradient to act on (E8: 0.33 shared tokens per group). :class:`ForcedBranching` builds shared *and*
+uncertain tokens: per prompt it samples ONE preamble of ``preamble_tokens`` tokens at the policy's
+own temperature, then the group's ``n`` continuations of prompt + preamble. Each member's completion
+is preamble + its continuation, so the preamble's tokens sit at the same positions in every member
+and carry that member's credit. Each member is still an exact sample of the policy (preamble, then
+continuation, is the chain rule); only the members of a group are no longer independent.
+
+Loaded by class path, with ``benchmarks/`` on ``PYTHONPATH`` (``benchmarks/experiments.py`` puts it there)::
+
+    lit-cancel fit --config configs/scaffold.yaml \\
+        --model.init_args.engine=forced_branching.ForcedBranching \\
+        --model.init_args.engine.init_args.preamble_tokens=16
+
+``python benchmarks/forced_branching.py --measure`` samples forced-branching groups from the shipped
+model at a few knob settings and prints the preamble's mean token probability, the share of groups
+with mixed rewards and the shared-prefix length (the design measurements of E10).
+"""
+
+import argparse
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from lit_cancel.engines import DecodeLoop, RolloutEngine, Sampled
+
+
+@contextmanager
+def _max_new_tokens(module, tokens: int) -> Iterator[None]:
+    """The module's ``max_new_tokens`` set to ``tokens`` for one call of the inner engine (which reads it there)."""
+    kept = module.max_new_tokens
+    module.max_new_tokens = tokens
+    try:
+        yield
+    finally:
+        module.max_new_tokens = kept
+
+
+def _training(module) -> bool:
+    """Whether ``module`` samples for training: a trainer in its training stage, or no trainer at all (a direct call)."""
+    trainer = getattr(module, "_trainer", None)
+    return trainer is None or bool(trainer.training)
+
+
+class ForcedBranching(RolloutEngine):
+    """One sampled preamble per prompt, then ``n`` continuations of it: groups that share ``preamble_tokens`` tokens.
+
+    ``sample(prompts, n)`` makes two calls of the inner engine: one sample of ``preamble_tokens`` tokens
+    per prompt, then ``n`` samples of prompt + preamble with the rest of ``max_new_tokens``. Rows are
+    prompt (left-padded as given) + preamble + continuation, right-padded with the pad id after the stop
+    token, as every engine returns them; a completion is never longer than ``max_new_tokens``.
+
+    A preamble that reaches a stop token before ``preamble_tokens`` is the whole completion of all ``n``
+    members: the policy ended its answer there, so nothing is continued (sampling past a stop token
+    would train on text the policy never writes, and resampling or suppressing the stop would change
+    the distribution). Such a group is ``n`` identical completions with equal rewards, so its
+    advantages are 0; ``rollout/preamble_stopped`` logs the share of prompts it happened to.
+
+    Validation (``val/accuracy``, ``val/greedy_accuracy``) is sampled by the inner engine as usual
+    unless ``branch_validation``: a branched sample is still an exact sample of the policy, so the
+    expected accuracy is the same, but the ``n`` samples of a prompt are correlated, which widens the
+    estimate's spread and breaks comparability with the other experiments' validation. Greedy
+    decoding and single samples always go to the inner engine (branching changes nothing there).
+
+    Where the module has a trainer, branching happens while it trains (``trainer.training``);
+    without one (a direct ``module.rollout`` call) every sampled call branches.
+
+    Logged with each round (``Sampled.stats``): ``rollout/preamble_p``, the mean probability under
+    the policy of the preamble tokens up to their stop token (the policy's own temperature), and
+    ``rollout/preamble_stopped``.
+
+    Like :class:`~lit_cancel.DecodeLoop` it runs the policy itself, so it reports no sampling log-probs;
+    an inner engine that does report them gets them passed on (preamble, then continuation).
+
+    Args:
+        preamble_tokens: tokens of the shared preamble (``K``); below the module's ``max_new_tokens``.
+        engine: the inner engine; :class:`~lit_cancel.DecodeLoop` when None. One that samples ahead
+            of the trainer (``max_staleness`` above 0) is refused.
+        branch_validation: branch validation samples too.
+        measure: compute ``rollout/preamble_p`` (one extra forward pass over prompt + preamble, no grad).
+    """
+
+    def __init__(
+        self, preamble_tokens: int = 16, engine: RolloutEngine | None = None, branch_validation: bool = False, measure: bool = True,
+    ):
+        if preamble_tokens < 1:
+            raise ValueError(f"ForcedBranching: preamble_tokens must be >= 1, got {preamble_tokens}")
+        self.preamble_tokens, self.branch_validation, self.measure = preamble_tokens, branch_validation, measure
+        self.engine = engine if engine is not None else DecodeLoop()
+        if self.engine.max_staleness > 0:
+            raise ValueError(f"ForcedBranching: the inner engine {type(self.engine).__name__} samples ahead (max_staleness > 0)")
+        self.supported_options = self.engine.supported_options
+        self.holds_weights = self.engine.holds_weights
+        # how many sampled calls branched and how many went to the inner engine as they were (tests read them)
+        self.branched_calls = self.plain_calls = 0
+
+    @contextmanager
+    def context(self, module) -> Iterator[None]:
+        with self.engine.context(module):
+            yield
+
+    def sync(self, module) -> float:
+        return self.engine.sync(module)
+
+    def check(self, module) -> None:
+        if self.preamble_tokens >= module.max_new_tokens:
+            raise ValueError(
+                f"model.init_args.engine.init_args.preamble_tokens: {self.preamble_tokens} leaves no room for a continuation "
+                f"within max_new_tokens {module.max_new_tokens}; make it smaller"
+            )
+        self.engine.check(module)
+
+    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+        if greedy or num_samples < 2 or not (self.branch_validation or _training(module)):
+            self.plain_calls += 1
+            return self.engine.sample(module, input_ids, attention_mask, num_samples, greedy)
+        self.check(module)
+        self.branched_calls += 1
+        rows, prompt_length = input_ids.shape
+        width, budget = self.preamble_tokens, module.max_new_tokens - self.preamble_tokens
+        pad, device = module.tokenizer.pad_token_id, input_ids.device
+        stops = torch.tensor(list(module.stop_token_ids), dtype=input_ids.dtype, device=device)
+
+        with _max_new_tokens(module, width):
+            first = self.engine.sample(module, input_ids, attention_mask, 1, False)
+        preamble = torch.full((rows, width), pad, dtype=input_ids.dtype, device=device)
+        drawn = first.sequences[:, prompt_length:]
+        preamble[:, : drawn.shape[1]] = drawn
+        is_stop = torch.isin(preamble, stops)
+        stopped = is_stop.any(1)
+        # a stop token ends the preamble; what the inner engine wrote after it is padding
+        preamble_mask = (is_stop.long().cumsum(1) - is_stop.long()) == 0
+        preamble = preamble.masked_fill(~preamble_mask, pad)
+        going = torch.nonzero(~stopped).squeeze(1)
+
+        continued, continued_logprobs, sync_seconds = None, None, first.sync_seconds
+        stats: dict[str, float] = {}
+        if len(going):
+            prefix = torch.cat([input_ids[going], preamble[going]], 1)
+            prefix_mask = torch.cat([attention_mask[going], torch.ones_like(preamble[going])], 1)
+            with _max_new_tokens(module, budget):
+                second = self.engine.sample(module, prefix, prefix_mask, num_samples, False)
+            continued, continued_logprobs = second.sequences[:, prefix.shape[1] :], second.logprobs
+            sync_seconds += second.sync_seconds
+            stats |= {k: v for k, v in second.stats.items()}
+
+        longest = 0 if continued is None else continued.shape[1]
+        sequences = torch.full((rows * num_samples, prompt_length + width + longest), pad, dtype=input_ids.dtype, device=device)
+        sequences[:, :prompt_length] = input_ids.repeat_interleave(num_samples, 0)
+        sequences[:, prompt_length : prompt_length + width] = preamble.repeat_interleave(num_samples, 0)
+        member_rows = (going.unsqueeze(1) * num_samples + torch.arange(num_samples, device=device)).reshape(-1)
+        if continued is not None:
+            sequences[member_rows, prompt_length + width :] = continued
+
+        logprobs = None
+        if first.logprobs is not None and (continued is None or continued_logprobs is not None):
+            first_logprobs = torch.zeros(rows, width, dtype=first.logprobs.dtype, device=device)
+            first_logprobs[:, : first.logprobs.shape[1]] = first.logprobs
+            logprobs = torch.zeros(sequences.shape[0], width + longest, dtype=first.logprobs.dtype, device=device)
+            logprobs[:, :width] = first_logprobs.masked_fill(~preamble_mask, 0.0).repeat_interleave(num_samples, 0)
+            if continued is not None:
+                logprobs[member_rows, width:] = continued_logprobs
+
+        if self.measure:
+            full_mask = torch.cat([attention_mask, preamble_mask.long()], 1)
+            token_logprobs = module.token_logprobs(torch.cat([input_ids, preamble], 1), full_mask, prompt_length)
+            stats["rollout/preamble_p"] = float((token_logprobs.float().exp() * preamble_mask).sum() / preamble_mask.sum())
+        stats["rollout/preamble_stopped"] = float(stopped.float().mean())
+        return Sampled(sequences, logprobs, sync_seconds, None, stats)
+
+
+# ----------------------------------------------------------------------------------------------- design measurements
+SETTINGS = [(0, 8, 12), (0, 8, 16), (12, 8, 16), (12, 8, 24), (24, 8, 24), (24, 8, 32), (12, 0, 24)]
+
+
+@torch.no_grad()
+def measure(model_path: str, scaffold: int, spread: int, preamble_tokens: int, prompts: int = 64, group_size: int = 8,
+            seed: int = 0, max_new_tokens: int = 96) -> dict[str, float]:
+    """Forced-branching groups of ``prompts`` training problems, from ``model_path`` at the knob setting: the preamble's
+    mean token probability, the share of groups with mixed rewards, the shared prefix, the completion lengths."""
+    from lit_cancel import RLModule, ScaffoldedAdditionTask
+    from lit_cancel.audit import shared_positions
+    from lit_cancel.rewards import correctness, score
+    from lit_cancel.rollouts import encode_prompts
+
+    task = ScaffoldedAdditionTask(scaffold=scaffold, spread=spread, train_size=20000, val_size=200)
+    engine = ForcedBranching(preamble_tokens)
+    module = RLModule(model_path, max_new_tokens=max_new_tokens, engine=engine)
+    records = task.train_records()[:prompts]
+    encoded = encode_prompts(module.tokenizer, records)
+    torch.manual_seed(seed)
+    generation = module.rollout(encoded["input_ids"], encoded["attention_mask"], group_size)
+    repeated = [r for r in records for _ in range(group_size)]
+    rewards = score(task, repeated, generation.texts).view(prompts, group_size)
+    correct = correctness(task, repeated, generation.texts).float()
+    group_ids = torch.arange(prompts).repeat_interleave(group_size)
+    completions = generation.input_ids[:, generation.prompt_length :]
+    shared = shared_positions(completions, generation.completion_mask, group_ids).sum(1).float()
+    lengths = generation.completion_mask.sum(1).float().view(prompts, group_size)
+    return {
+        "preamble_p": generation.stats["rollout/preamble_p"],
+        "mixed_groups": float((rewards != rewards[:, :1]).any(1).float().mean()),
+        "accuracy": float(correct.mean()),
+        "shared_tokens": float(shared.mean()),
+        "completion_len": float(lengths.mean()),
+        "len_sd_within_group": float(lengths.std(1).mean()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure", action="store_true", help="print the design measurements at a few settings")
+    parser.add_argument("--model", default="embedded:tiny-scaffold")
+    parser.add_argument("--prompts", type=int, default=64)
+    args = parser.parse_args()
+    if not args.measure:
+        parser.print_help()
+        return
+    print("model | scaffold | spread | K | preamble p | mixed groups | accuracy | shared tokens | completion len | len sd in group")
+    for scaffold, spread, tokens in SETTINGS:
+        values = measure(args.model, scaffold, spread, tokens, prompts=args.prompts)
+        print(f"{args.model} | {scaffold} | {spread} | {tokens} | " + " | ".join(
+            "nan" if math.isnan(v) else f"{v:.3f}" for v in values.values()))
+
+
+if __name__ == "__main__":
+    main()
