@@ -26,8 +26,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from lit_cancel.audit import shared_positions
 from lit_cancel.engines import DecodeLoop, RolloutEngine, Sampled
 
 
@@ -175,6 +177,17 @@ class ForcedBranching(RolloutEngine):
         return Sampled(sequences, logprobs, sync_seconds, None, stats)
 
 
+class GroupSharedTokens(Callback):
+    """Logs ``rollout/group_shared_tokens``: the mean length of the prefix a rollout's whole group shares in each training
+    micro-batch (the positions where credits cancel, or where ``SharedPositionNoise`` acts); ``ScaffoldProbe`` logs it only
+    with a scaffold."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        completions = batch.input_ids[:, batch.prompt_length :]
+        shared = shared_positions(completions.cpu(), batch.completion_mask.cpu(), batch.group_ids.cpu())
+        pl_module.log("rollout/group_shared_tokens", shared.sum(1).float().mean(), on_step=True, on_epoch=False)
+
+
 # ----------------------------------------------------------------------------------------------- design measurements
 SETTINGS = [(0, 8, 12), (0, 8, 16), (12, 8, 16), (12, 8, 24), (24, 8, 24), (24, 8, 32), (12, 0, 24)]
 
@@ -185,9 +198,7 @@ def measure(model_path: str, scaffold: int, spread: int, preamble_tokens: int, p
     """Forced-branching groups of ``prompts`` training problems, from ``model_path`` at the knob setting: the preamble's
     mean token probability, the share of groups with mixed rewards, the shared prefix, the completion lengths."""
     from lit_cancel import RLModule, ScaffoldedAdditionTask
-    from lit_cancel.audit import shared_positions
-    from lit_cancel.rewards import correctness, score
-    from lit_cancel.rollouts import encode_prompts
+    from lit_cancel.rollouts import correctness, encode_prompts, score
 
     task = ScaffoldedAdditionTask(scaffold=scaffold, spread=spread, train_size=20000, val_size=200)
     engine = ForcedBranching(preamble_tokens)

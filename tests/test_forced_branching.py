@@ -25,7 +25,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from experiment_parts import SharedPositionNoise  # noqa: E402
-from forced_branching import ForcedBranching  # noqa: E402
+from forced_branching import ForcedBranching, GroupSharedTokens  # noqa: E402
 
 K = 16
 PAD, EOS = 0, 1
@@ -201,7 +201,7 @@ def test_training_rollouts_branch_and_validation_samples_plainly(tmp_path):
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, default_root_dir=tmp_path, log_every_n_steps=1, val_check_interval=2,
-        num_sanity_val_steps=0, check_val_every_n_epoch=None,
+        num_sanity_val_steps=0, check_val_every_n_epoch=None, callbacks=[GroupSharedTokens()],
     )
     trainer.fit(module, datamodule=data)
     # two rounds branched; one validation after step 2: a greedy and a sampled call, both to the decode loop
@@ -209,6 +209,7 @@ def test_training_rollouts_branch_and_validation_samples_plainly(tmp_path):
     logged = trainer.logged_metrics
     assert 0.0 < float(logged["rollout/preamble_p"]) <= 1.0 and float(logged["rollout/preamble_stopped"]) == 0.0
     assert "val/accuracy" in trainer.callback_metrics
+    assert float(logged["rollout/group_shared_tokens"]) >= K
 
 
 def test_the_cli_loads_the_engine_by_class_path():
