@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from experiments import RESULTS, Run, budget, execute, knobs, mean_interval, objective, trust_region  # noqa: E402
+from experiments import RESULTS, Run, budget, execute, knobs, objective, trust_region  # noqa: E402
+from experiments import mean_interval as _mean_interval  # noqa: E402
 
 PILOT = RESULTS / "E10" / "pilot"
 # the design (docs/experiments.md, E10): shipped warm start, no scaffold, verbose spread 8, an 8-token preamble,
@@ -57,6 +58,7 @@ def common() -> list[str]:
         "--model.init_args.engine=forced_branching.ForcedBranching",
         f"--model.init_args.engine.init_args.preamble_tokens={PREAMBLE}",
         "--trainer.callbacks+=forced_branching.GroupSharedTokens",
+        "--trainer.callbacks+=forced_branching.PreambleDrift",
         f"--data.init_args.prompts_per_round={PROMPTS}",
         *budget(STEPS, LR),
     ]
@@ -74,11 +76,22 @@ class PilotRun(Run):
         return PILOT / f"{self.arm}-{self.setting}-seed{self.seed}.json"
 
 
+# pilot 1 had no PreambleDrift probe (its per-step shared-context KL did not separate the arms); pilot 2 adds it,
+# with the training itself unchanged (the probe samples in a forked random state)
+PILOTS = {"pilot-" + SETTING: "pilot 1 (per-step shared KL only)", "pilot2-" + SETTING: "pilot 2 (+ PreambleDrift)"}
+CURRENT = "pilot2-" + SETTING
+
+
 def pilot_runs(seeds: list[int]) -> list[PilotRun]:
-    return [PilotRun("E10", arm, f"pilot-{SETTING}", seed, (*common(), *arms(seed)[arm])) for seed in seeds for arm in PILOT_ARMS]
+    return [PilotRun("E10", arm, CURRENT, seed, (*common(), *arms(seed)[arm])) for seed in seeds for arm in PILOT_ARMS]
 
 
 # ----------------------------------------------------------------------------------------------- summary
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """The t-interval of experiments.py; (nan, nan) where a run lacks the value."""
+    return (math.nan, math.nan) if any(math.isnan(v) for v in values) else _mean_interval(values)
+
+
 def series(record: dict, tag: str) -> list[float]:
     return [value for _, value in record["scalars"].get(tag, [])]
 
@@ -112,13 +125,17 @@ OUTCOMES = {
     "val accuracy (start)": lambda r: series(r, "val/accuracy")[0],
     "val accuracy (end)": lambda r: last_of(r, "val/accuracy"),
     "completion length": lambda r: mean_of(r, "rollout/completion_len"),
+    "preamble KL from start (last)": lambda r: last_of(r, "probe/preamble_kl"),
+    "preamble KL from start (mean)": lambda r: mean_of(r, "probe/preamble_kl"),
+    "probe preamble entropy (last)": lambda r: last_of(r, "probe/preamble_entropy"),
+    "probe preamble p (last)": lambda r: last_of(r, "probe/preamble_p"),
     "wall s": lambda r: r["wall_s"],
 }
 
 
-def load(folder: Path = PILOT) -> dict[str, dict[int, dict]]:
+def load(setting: str, folder: Path = PILOT) -> dict[str, dict[int, dict]]:
     runs: dict[str, dict[int, dict]] = {}
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(folder.glob(f"*-{setting}-seed*.json")):
         record = json.loads(path.read_text())
         runs.setdefault(record["arm"], {})[record["seed"]] = record
     return runs
@@ -133,9 +150,10 @@ def fmt(mean: float, half: float) -> str:
     return f"{mean:.3f} ± {half:.3f}" if not math.isnan(half) else f"{mean:.3f}"
 
 
-def summary() -> str:
-    runs = load()
-    lines = ["| arm | seeds | " + " | ".join(OUTCOMES) + " |", "|---|---|" + "---|" * len(OUTCOMES)]
+def summary(setting: str) -> str:
+    runs = load(setting)
+    lines = [f"### {PILOTS.get(setting, setting)}", ""]
+    lines += ["| arm | seeds | " + " | ".join(OUTCOMES) + " |", "|---|---|" + "---|" * len(OUTCOMES)]
     for arm in [a for a in PILOT_ARMS if a in runs] + sorted(set(runs) - set(PILOT_ARMS)):
         records = runs[arm]
         cells = [fmt(*mean_interval([f(r) for r in records.values()])) for f in OUTCOMES.values()]
@@ -152,14 +170,16 @@ def summary() -> str:
             seeds = sorted(set(base) & set(runs[arm]))
             differences = [f(runs[arm][s]) - f(base[s]) for s in seeds]
             mean, half = mean_interval(differences)
-            sd = statistics.stdev(differences) if len(differences) > 1 else math.nan
+            sd = statistics.stdev(differences) if len(differences) > 1 and not math.isnan(mean) else math.nan
             cells.append(f"{fmt(mean, half)} (sd {sd:.2g})")
         lines.append(f"| `{arm}` − `DFPOMin` | " + " | ".join(cells) + " |")
     for arm, records in runs.items():
         for seed, record in sorted(records.items()):
             kl = series(record, "health/shared_kl")
             entropy = series(record, "health/drift_preference_entropy")
-            lines.append(f"{arm} seed {seed}: shared KL {[f'{v:.2g}' for v in kl]}; preference entropy {[f'{v:.3f}' for v in entropy]}")
+            drift = series(record, "probe/preamble_kl")
+            lines.append(f"{arm} seed {seed}: shared KL {[f'{v:.2g}' for v in kl]}; preference entropy {[f'{v:.3f}' for v in entropy]}"
+                         + (f"; preamble KL from start {[f'{v:.2g}' for v in drift]}" if drift else ""))
     return "\n".join(lines)
 
 
@@ -175,7 +195,7 @@ def main() -> None:
             if run.arm in args.arms and not run.path.exists():
                 execute(run, args.threads)
                 print(f"{run.path.relative_to(RESULTS.parent.parent)}: {json.loads(run.path.read_text())['wall_s']} s", flush=True)
-    print(summary())
+    print("\n\n".join(summary(setting) for setting in PILOTS))
 
 
 if __name__ == "__main__":

@@ -188,6 +188,87 @@ class GroupSharedTokens(Callback):
         pl_module.log("rollout/group_shared_tokens", shared.sum(1).float().mean(), on_step=True, on_epoch=False)
 
 
+class PreambleDrift(Callback):
+    """Accumulated drift where forced branching shares: ``KL(start || now)`` of the next-token distributions at
+    the positions that predict a preamble's tokens, on fixed probe contexts.
+
+    ``health/shared_kl`` (``LearningTaxMonitor``) is the movement of one optimizer step at the step's own shared
+    contexts; a random walk that uncancelled credit drives shows in what the steps add up to instead. At the
+    start of training this callback takes the first ``num_problems`` held-out prompts and one preamble of each,
+    sampled by the policy at its temperature in a forked random state seeded by ``seed`` (so the training's
+    sample stream is untouched, and every run from the same model probes the same contexts), and keeps the
+    policy's next-token distributions at the ``preamble_tokens`` positions that predict the preamble (up to its
+    stop token). Every ``every_n_steps`` optimizer steps it logs, on the same contexts:
+
+    * ``probe/preamble_kl``: mean ``KL(start || now)``;
+    * ``probe/preamble_entropy``: mean entropy of the next-token distribution now;
+    * ``probe/preamble_p``: mean probability now of the probe preambles' tokens.
+
+    Args:
+        preamble_tokens: positions probed per preamble; None: the module's ``ForcedBranching`` engine's.
+        num_problems: held-out prompts probed.
+        every_n_steps: how often to probe, in optimizer steps.
+        seed: seed of the probe preambles.
+    """
+
+    def __init__(self, preamble_tokens: int | None = None, num_problems: int = 32, every_n_steps: int = 5, seed: int = 0):
+        if num_problems < 1 or every_n_steps < 1 or (preamble_tokens is not None and preamble_tokens < 1):
+            raise ValueError(f"PreambleDrift: preamble_tokens, num_problems and every_n_steps must be >= 1, got "
+                             f"{preamble_tokens}, {num_problems}, {every_n_steps}")
+        self.preamble_tokens, self.num_problems, self.every_n_steps, self.seed = preamble_tokens, num_problems, every_n_steps, seed
+        self.contexts: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        self.start: Tensor | None = None
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def _distributions(self, trainer, pl_module) -> Tensor:
+        from lit_cancel.callbacks.learning_tax import measuring
+
+        input_ids, attention_mask, positions, _ = self.contexts
+        with measuring(trainer, pl_module):
+            return pl_module.next_token_logprobs(input_ids, attention_mask, positions).float()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lit_cancel.rollouts import encode_prompts
+
+        tokens = self.preamble_tokens
+        if tokens is None:
+            if not isinstance(pl_module.engine, ForcedBranching):
+                raise ValueError("PreambleDrift: give preamble_tokens, or use the ForcedBranching engine")
+            tokens = pl_module.engine.preamble_tokens
+        records = trainer.datamodule.task.val_records()[: self.num_problems]
+        prompts = encode_prompts(pl_module.tokenizer, records)
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), trainer.precision_plugin.forward_context():
+            torch.manual_seed(self.seed)
+            generation = pl_module.rollout(prompts["input_ids"].to(pl_module.device), prompts["attention_mask"].to(pl_module.device), 1)
+        width = generation.prompt_length + tokens
+        input_ids = generation.input_ids[:, :width]
+        attention_mask = generation.attention_mask[:, :width]
+        present = generation.completion_mask[:, :tokens].bool()
+        if present.shape[1] < tokens:
+            present = torch.nn.functional.pad(present, (0, tokens - present.shape[1]))
+        rows, columns = torch.nonzero(present, as_tuple=True)
+        # the distribution of completion token j is predicted at sequence position P + j - 1
+        positions = torch.stack([rows, columns + generation.prompt_length - 1], 1)
+        targets = input_ids[rows, columns + generation.prompt_length]
+        self.contexts = (input_ids, attention_mask, positions, targets)
+        self.start = self._distributions(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.start is None or step % self.every_n_steps != 0 or (self.history and self.history[-1][0] == step):
+            return
+        now = self._distributions(trainer, pl_module)
+        targets = self.contexts[3]
+        kl = (self.start.exp() * (self.start - now)).sum(-1).mean()
+        entropy = -(now.exp() * now).sum(-1).mean()
+        probability = now.gather(1, targets.unsqueeze(1)).exp().mean()
+        values = {"probe/preamble_kl": float(kl), "probe/preamble_entropy": float(entropy), "probe/preamble_p": float(probability)}
+        self.history.append((step, values))
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
+
+
 # ----------------------------------------------------------------------------------------------- design measurements
 SETTINGS = [(0, 8, 12), (0, 8, 16), (12, 8, 16), (12, 8, 24), (24, 8, 24), (24, 8, 32), (12, 0, 24)]
 

@@ -25,7 +25,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from experiment_parts import SharedPositionNoise  # noqa: E402
-from forced_branching import ForcedBranching, GroupSharedTokens  # noqa: E402
+from forced_branching import ForcedBranching, GroupSharedTokens, PreambleDrift  # noqa: E402
 
 K = 16
 PAD, EOS = 0, 1
@@ -194,22 +194,27 @@ def test_greedy_and_single_samples_go_to_the_inner_engine_and_the_budget_is_chec
 
 
 def test_training_rollouts_branch_and_validation_samples_plainly(tmp_path):
-    engine = ForcedBranching(K)
+    engine, drift = ForcedBranching(K), PreambleDrift(num_problems=4, every_n_steps=1)
     module = RLModule("embedded:tiny-scaffold", max_new_tokens=96, val_samples=2, engine=engine)
     data = RolloutDataModule(ScaffoldedAdditionTask(scaffold=0, spread=8, train_size=64, val_size=4), prompts_per_round=2,
                              group_size=4, val_batch_size=4)
     trainer = L.Trainer(
         max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, default_root_dir=tmp_path, log_every_n_steps=1, val_check_interval=2,
-        num_sanity_val_steps=0, check_val_every_n_epoch=None, callbacks=[GroupSharedTokens()],
+        num_sanity_val_steps=0, check_val_every_n_epoch=None, callbacks=[GroupSharedTokens(), drift],
     )
     trainer.fit(module, datamodule=data)
-    # two rounds branched; one validation after step 2: a greedy and a sampled call, both to the decode loop
-    assert engine.branched_calls == 2 and engine.plain_calls == 2
+    # two rounds branched; one validation after step 2: a greedy and a sampled call, both to the decode loop; and the
+    # probe's one sample per prompt
+    assert engine.branched_calls == 2 and engine.plain_calls == 3
     logged = trainer.logged_metrics
     assert 0.0 < float(logged["rollout/preamble_p"]) <= 1.0 and float(logged["rollout/preamble_stopped"]) == 0.0
     assert "val/accuracy" in trainer.callback_metrics
     assert float(logged["rollout/group_shared_tokens"]) >= K
+    # the probe: 4 preambles of K tokens, measured after each step; the policy moved away from where it started
+    assert len(drift.contexts[2]) == 4 * K and drift.start.shape == (4 * K, len(module.tokenizer))
+    assert [step for step, _ in drift.history] == [1, 2]
+    assert 0 < drift.history[0][1]["probe/preamble_kl"] and 0 < drift.history[1][1]["probe/preamble_p"] < 1
 
 
 def test_the_cli_loads_the_engine_by_class_path():
