@@ -3,10 +3,10 @@
     python benchmarks/e10_pilot.py --seeds 3 --threads 1      # runs what is missing, one at a time, then summarises
     python benchmarks/e10_pilot.py --summary                  # the table from the stored JSON only
 
-Every run is ``lit-cancel fit --config configs/scaffold.yaml`` with overrides, through ``experiments.execute``
+Every run is ``lit-cancel fit --config configs/scaffold.yaml`` with overrides, through ``lab.runs.execute``
 (the same record: command, wall time, provenance, every TensorBoard scalar), stored in
-``benchmarks/experiments/E10/pilot/<arm>-<setting>-seed<N>.json``. :func:`arms` holds the override list of
-every arm of the main study too, so that the experiment runner can take them over as they are.
+``benchmarks/experiments/E10/pilot/<arm>-<setting>-seed<N>.json``. ``e10_arms`` holds the override list of
+every arm of the main study, in ``lab.runs``.
 """
 
 import argparse
@@ -19,51 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from experiments import RESULTS, Run, budget, execute, knobs, objective, trust_region  # noqa: E402
-from experiments import mean_interval as _mean_interval  # noqa: E402
+from lab.runs import E10_SETTING, RESULTS, Run, e10_arms, e10_common, execute  # noqa: E402
+from lab.stats import mean_interval as _mean_interval  # noqa: E402
 
 PILOT = RESULTS / "E10" / "pilot"
-# the design (docs/experiments.md, E10): shipped warm start, no scaffold, verbose spread 8, an 8-token preamble,
-# on-policy, E2's budget (8 prompts x 8 rollouts per step, 40 steps, lr 2e-4)
-SCAFFOLD, SPREAD, PREAMBLE, PROMPTS, STEPS, LR = 0, 8, 8, 8, 40, 2e-4
-SETTING = f"s{SCAFFOLD}v{SPREAD}-K{PREAMBLE}"
 # E2's GRPO at scaffold 12, spread 8: mean of health/learning_tax over steps, mean over its 5 seeds
 E2_REFERENCE = ("E2", "GRPO", "s12v8")
-
-
-def arms(seed: int) -> dict[str, list[str]]:
-    """The override list of each arm (pilot: the first three; main study: all seven)."""
-    noise = [
-        "--model.init_args.objective.init_args.trust_region=experiment_parts.SharedPositionNoise",
-        "--model.init_args.objective.init_args.trust_region.init_args.sigma=1.0",
-        f"--model.init_args.objective.init_args.trust_region.init_args.seed={seed}",
-    ]
-    return {
-        "DFPOMin": objective("DFPOMin"),
-        "DFPOMin-SharedNoise": [*objective("DFPOMin"), *noise],
-        "GRPO": objective("GRPO"),
-        "DrGRPO": objective("DrGRPO"),
-        "GSPO": objective("GSPO"),
-        "DFPOMinTR": [*objective("DFPOMin"), *trust_region("TokenRatioMask"),
-                      "--model.init_args.objective.init_args.trust_region.init_args.eps=0.2"],
-        "DFPOMin-PositiveOnly": [*objective("DFPOMin"),
-                                 "--model.init_args.objective.init_args.trust_region=experiment_parts.AdvantageSign"],
-    }
-
-
-def common() -> list[str]:
-    """What every E10 run shares: the knobs, forced branching, the batch and the budget."""
-    return [
-        *knobs(SCAFFOLD, SPREAD),
-        "--model.init_args.engine=forced_branching.ForcedBranching",
-        f"--model.init_args.engine.init_args.preamble_tokens={PREAMBLE}",
-        "--trainer.callbacks+=forced_branching.GroupSharedTokens",
-        "--trainer.callbacks+=forced_branching.PreambleDrift",
-        f"--data.init_args.prompts_per_round={PROMPTS}",
-        *budget(STEPS, LR),
-    ]
-
-
 PILOT_ARMS = ("DFPOMin", "DFPOMin-SharedNoise", "GRPO")
 
 
@@ -78,12 +39,12 @@ class PilotRun(Run):
 
 # pilot 1 had no PreambleDrift probe (its per-step shared-context KL did not separate the arms); pilot 2 adds it,
 # with the training itself unchanged (the probe samples in a forked random state)
-PILOTS = {"pilot-" + SETTING: "pilot 1 (per-step shared KL only)", "pilot2-" + SETTING: "pilot 2 (+ PreambleDrift)"}
-CURRENT = "pilot2-" + SETTING
+PILOTS = {"pilot-" + E10_SETTING: "pilot 1 (per-step shared KL only)", "pilot2-" + E10_SETTING: "pilot 2 (+ PreambleDrift)"}
+CURRENT = "pilot2-" + E10_SETTING
 
 
 def pilot_runs(seeds: list[int]) -> list[PilotRun]:
-    return [PilotRun("E10", arm, CURRENT, seed, (*common(), *arms(seed)[arm])) for seed in seeds for arm in PILOT_ARMS]
+    return [PilotRun("E10", arm, CURRENT, seed, (*e10_common(), *e10_arms(seed)[arm])) for seed in seeds for arm in PILOT_ARMS]
 
 
 # ----------------------------------------------------------------------------------------------- summary

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from experiment_parts import SharedPositionNoise  # noqa: E402
 from forced_branching import ForcedBranching, GroupSharedTokens, PreambleDrift  # noqa: E402
+from lab.parts import SharedPositionNoise  # noqa: E402
 
 K = 16
 PAD, EOS = 0, 1

@@ -81,6 +81,43 @@ E8_WARMSTART_STEPS, E8_SCAFFOLD, E8_SPREAD, E8_LR = 150, 12, 8, 2e-4
 E8_WARMSTART = f"benchmarks/experiments/E8/warmstart-{E8_WARMSTART_STEPS}"
 E8_SETTING = f"s{E8_SCAFFOLD}v{E8_SPREAD}-warm{E8_WARMSTART_STEPS}"
 E9_FLIP_SEEDS = 5
+# E10 forces shared, uncertain tokens: one preamble sampled per prompt, the group's continuations branch from it
+# (benchmarks/forced_branching.py); 30 seeds for the arms that decide the causal claim, 10 for the others
+E10_SCAFFOLD, E10_SPREAD, E10_PREAMBLE, E10_PROMPTS, E10_STEPS, E10_LR = 0, 8, 8, 8, 40, 2e-4
+E10_SETTING = f"s{E10_SCAFFOLD}v{E10_SPREAD}-K{E10_PREAMBLE}"
+E10_SEEDS = {"DFPOMin": 30, "DFPOMin-SharedNoise": 30, "GRPO": 30, "DrGRPO": 10, "GSPO": 10, "DFPOMinTR": 10,
+             "DFPOMin-PositiveOnly": 10}
+
+
+def e10_common() -> list[str]:
+    """What every E10 run shares: the knobs, forced branching, its two probes, the batch and the budget."""
+    return [
+        *knobs(E10_SCAFFOLD, E10_SPREAD),
+        "--model.init_args.engine=forced_branching.ForcedBranching",
+        f"--model.init_args.engine.init_args.preamble_tokens={E10_PREAMBLE}",
+        "--trainer.callbacks+=forced_branching.GroupSharedTokens",
+        "--trainer.callbacks+=forced_branching.PreambleDrift",
+        f"--data.init_args.prompts_per_round={E10_PROMPTS}",
+        *budget(E10_STEPS, E10_LR),
+    ]
+
+
+def e10_arms(seed: int) -> dict[str, list[str]]:
+    """The overrides of each E10 arm (pre-registered in docs/experiments.md)."""
+    return {
+        "DFPOMin": objective("DFPOMin"),
+        "DFPOMin-SharedNoise": [
+            *objective("DFPOMin"), "--model.init_args.objective.init_args.trust_region=lab.parts.SharedPositionNoise",
+            "--model.init_args.objective.init_args.trust_region.init_args.sigma=1.0",
+            f"--model.init_args.objective.init_args.trust_region.init_args.seed={seed}",
+        ],
+        "GRPO": objective("GRPO"),
+        "DrGRPO": objective("DrGRPO"),
+        "GSPO": objective("GSPO"),
+        "DFPOMinTR": [*objective("DFPOMin"), *trust_region("TokenRatioMask"),
+                      "--model.init_args.objective.init_args.trust_region.init_args.eps=0.2"],
+        "DFPOMin-PositiveOnly": [*objective("DFPOMin"), "--model.init_args.objective.init_args.trust_region=lab.parts.AdvantageSign"],
+    }
 
 
 def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
@@ -150,12 +187,15 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
                         *knobs(STUDY_SCAFFOLD, STUDY_SPREAD), "--model.init_args.objective=lit_cancel.PolicyGradient", *chosen,
                         *budget(60, 2e-4),
                     )))
+        elif name == "E10":  # Prop. 3.1's causal test on shared tokens that are also uncertain: forced branching
+            runs += [Run(name, arm, E10_SETTING, seed, (*e10_common(), *chosen))
+                     for arm, chosen in e10_arms(seed).items() if seed < E10_SEEDS[arm]]
         else:
             raise ValueError(f"unknown experiment {name!r}; expected one of {EXPERIMENTS}")
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10")
 PROBES = ("E6",)
 
 
