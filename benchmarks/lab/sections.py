@@ -1,4 +1,5 @@
-"""The sections of docs/experiments.md, one per experiment (E1-E9), each its tables and paired comparisons."""
+"""The sections of docs/experiments.md, one per experiment (E1-E10; E10's in ``lab.sections_e10``), each its tables and
+paired comparisons."""
 
 import itertools
 import math
@@ -18,6 +19,7 @@ from lab.cells import (
     trend,
 )
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, E7_TRUST_REGIONS, STUDY
+from lab.sections_e10 import e10_section
 from lab.stats import mean_interval, t_test
 from lab.summaries import (
     BINNED_SPLITS,
@@ -349,9 +351,10 @@ def e9_section(runs: dict) -> list[str]:
 
 
 TITLES = {"E1": "E1 exchangeability", "E2": "E2 dose-response", "E3": "E3 token flipping", "E4": "E4 batching plans", "E5": "E5 group size",
-          "E7": "E7 trust regions", "E8": "E8 causal learning tax", "E9": "E9 batching and flips at full dose"}
+          "E7": "E7 trust regions", "E8": "E8 causal learning tax", "E9": "E9 batching and flips at full dose",
+          "E10": "E10 forced branching"}
 SECTIONS = {"E1": e1_section, "E2": e2_section, "E3": e3_section, "E4": e4_section, "E5": e5_section}
-LATER_SECTIONS = {"E7": e7_section, "E8": e8_section, "E9": e9_section}  # after E6, in the order they ran
+LATER_SECTIONS = {"E7": e7_section, "E8": e8_section, "E9": e9_section, "E10": e10_section}  # after E6, in the order they ran
 
 
 def experiment_sections(results: dict, probes: dict[int, dict]) -> list[str]:

@@ -9,8 +9,9 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
-from lab.runs import RESULTS
+from lab.runs import E10_SETTING, RESULTS
 
 FLIP_SPLITS = ("positive", "negative", "shared", "specific", "positive_specific", "negative_specific")
 FLIP_TAGS = [f"health/flip_{kind}_{part}" for part in FLIP_SPLITS for kind in ("boosted", "suppressed", "mean_abs_change")]
@@ -113,14 +114,54 @@ def matched_movement(runs: dict) -> float:
     return min(reached) if reached else math.nan
 
 
-def load() -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
-    """``experiment -> (arm, setting) -> seed -> summary`` of every stored run."""
+def e10_summary(record: dict) -> dict:
+    """:func:`summary` plus E10's own numbers (pre-registered in docs/experiments.md) and the run's scalars, which the
+    identity check of ``DFPOMinTR`` compares point for point."""
+    kl = record["scalars"].get("probe/preamble_kl", [])
+    preference = record["scalars"].get("health/drift_preference_entropy", [])
+    provenance = record.get("provenance", {})
+    return {
+        **summary(record),
+        "preamble_kl": _mean([value for _, value in kl]),  # P1: mean of probe/preamble_kl over its measurements
+        "preamble_kl_steps": tuple(int(step) for step, _ in kl),
+        "preference_step_end": preference[-1][0] if preference else math.nan,  # P2 is the value at this step
+        "preamble_p": _mean(_values(record, "rollout/preamble_p")),
+        "preamble_stopped": _mean(_values(record, "rollout/preamble_stopped")),
+        "probe_entropy_end": _last(record, "probe/preamble_entropy"),
+        "probe_p_end": _last(record, "probe/preamble_p"),
+        "zero_std_groups": _mean(_values(record, "rollout/frac_zero_std_groups")),
+        "wall_s": float(record.get("wall_s", math.nan)),
+        "commit": provenance.get("commit", "?"),
+        "cpu": provenance.get("cpu", "?"),
+        "scalars": record["scalars"],
+    }
+
+
+def load_e10(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict]]:
+    """``(arm, setting) -> seed -> summary`` (:func:`e10_summary`) of E10's main runs, the files
+    ``<arm>-<E10_SETTING>-seed<N>.json`` directly in ``folder`` (default ``benchmarks/experiments/E10``; the pilot's
+    subfolder is not read)."""
+    runs: dict = defaultdict(dict)
+    for path in sorted((folder or RESULTS / "E10").glob(f"*-{E10_SETTING}-seed*.json")):
+        record = json.loads(path.read_text())
+        if record.get("setting") == E10_SETTING:
+            runs[(record["arm"], record["setting"])][record["seed"]] = e10_summary(record)
+    return dict(runs)
+
+
+def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
+    """``experiment -> (arm, setting) -> seed -> summary`` of every stored run in ``folder`` (default
+    ``benchmarks/experiments``); E10's main runs come from :func:`load_e10`."""
+    folder = folder or RESULTS
     results: dict = defaultdict(lambda: defaultdict(dict))
-    for path in sorted(RESULTS.glob("E[1-9]/*-seed*.json")):
+    for path in sorted(folder.glob("E[1-9]/*-seed*.json")):
         record = json.loads(path.read_text())
         if "scalars" not in record:  # E6's probes
             continue
         results[record["experiment"]][(record["arm"], record["setting"])][record["seed"]] = summary(record)
+    e10 = load_e10(folder / "E10")
+    if e10:
+        results["E10"] = defaultdict(dict, e10)
     return results
 
 

@@ -1,0 +1,252 @@
+"""E10's section of docs/experiments.md: forced branching, analysed exactly as pre-registered there.
+
+Primary: P1 (mean of ``probe/preamble_kl``) and P2 (last ``health/drift_preference_entropy``), each arm paired by seed
+with ``DFPOMin``; one Holm family of 4 tests, TOST with margins of ±0.05 and ±0.10 whose 4 p-values form a Holm family
+of their own, the same again on seeds 3-29 (the seeds the pilot did not see). Secondary: F2 learning tax, F3 per-step
+shared KL, F4 accuracy (TOST ±0.04), F5 the 10-seed arms on P1 and P2, each Holm-adjusted separately; ``DFPOMinTR``
+as an identity check against ``DFPOMin`` (no test); the quantities reported without tests.
+"""
+
+import math
+
+from lab.cells import (
+    EQUIVALENCE_MARGIN,
+    FAMILIES,
+    MIN_SEEDS,
+    RELEVANT_ACCURACY,
+    accuracy_difference,
+    cell,
+    difference,
+    finite_values,
+    format_interval,
+    format_p,
+    scientific_cell,
+)
+from lab.runs import E10_SEEDS, E10_SETTING, compare_scalars
+from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
+from lab.summaries import at_matched_movement, matched_movement
+
+BASE = "DFPOMin"
+PRIMARY_ARMS = ("DFPOMin-SharedNoise", "GRPO")
+TEN_SEED_ARMS = ("DrGRPO", "GSPO", "DFPOMin-PositiveOnly")
+IDENTITY_ARM = "DFPOMinTR"
+# (key, label, TOST margin): the primary outcomes and their margins, stated before the main runs
+OUTCOMES = (("preamble_kl", "P1: KL from start at the preamble contexts", 0.05),
+            ("preference_entropy", "P2: preference entropy (end)", 0.10))
+PRIMARY, PRIMARY_TOST = "E10 primary (P1, P2)", "E10 primary, equivalence (TOST)"
+SENSITIVITY, SENSITIVITY_TOST = "E10 primary, seeds 3–29 (sensitivity)", "E10 primary, seeds 3–29, equivalence (TOST)"
+F2, F3, F4, F4_TOST = ("E10 F2 learning tax (secondary)", "E10 F3 per-step shared KL (secondary)",
+                       "E10 F4 accuracy (secondary)", "E10 F4 accuracy, equivalence (TOST, secondary)")
+F5 = "E10 F5 10-seed arms on P1, P2 (secondary)"
+SENSITIVITY_FIRST_SEED = 3  # seeds 0-2 were seen in the pilot, which chose P1's aggregation and the margins
+HOLM_TESTS = 4  # the primary family's size: its strictest Holm level is alpha / 4
+
+
+def _seeds(seeds: list[int]) -> str:
+    """``0–9, 12, 14–29``: sorted seeds as ranges."""
+    if not seeds:
+        return "none"
+    ranges, start = [], seeds[0]
+    for previous, current in zip(seeds, seeds[1:] + [None]):
+        if current != previous + 1:
+            ranges.append(f"{start}" if start == previous else f"{start}–{previous}")
+            start = current
+    return ", ".join(ranges)
+
+
+def _from(runs: dict[int, dict], first: int) -> dict[int, dict]:
+    return {seed: run for seed, run in runs.items() if seed >= first}
+
+
+def _stored_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
+    """How many of the pre-registered runs are stored, which seeds are missing, and on which commits and CPUs they ran."""
+    expected = sum(E10_SEEDS.values())
+    stored = sum(len(arms.get(arm, {})) for arm in E10_SEEDS)
+    parts = []
+    for arm, count in E10_SEEDS.items():
+        missing = sorted(set(range(count)) - set(arms.get(arm, {})))
+        parts.append(f"`{arm}` {count - len(missing)}/{count}" + (f" (missing seeds {_seeds(missing)})" if missing else ""))
+    provenance = {}
+    for seeds in arms.values():
+        for run in seeds.values():
+            key = (run["commit"], run["cpu"])
+            provenance[key] = provenance.get(key, 0) + 1
+    where = "; ".join(f"commit {commit[:12]}, {cpu}: {count} runs" for (commit, cpu), count in sorted(provenance.items()))
+    return [f"Runs stored: {stored} of the {expected} pre-registered ({', '.join(parts)}). {where}."]
+
+
+def _arm_table(arms: dict[str, dict[int, dict]]) -> list[str]:
+    lines = ["| arm | seeds | learning tax | per-step shared KL (`health/shared_kl`, mean) | P1: KL from start at preamble contexts "
+             "(`probe/preamble_kl`, mean) | P2: preference entropy (end) | preamble p (`rollout/preamble_p`, mean) "
+             "| group shared tokens | `val/accuracy` end | wall time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, seeds in arms.items():
+        lines.append(f"| `{arm}` | {len(seeds)} | {scientific_cell(seeds, 'tax')} | {cell(seeds, 'shared_kl', 5)} "
+                     f"| {cell(seeds, 'preamble_kl')} | {cell(seeds, 'preference_entropy')} | {cell(seeds, 'preamble_p')} "
+                     f"| {cell(seeds, 'group_shared_tokens', 2)} | {cell(seeds, 'val_end')} | {cell(seeds, 'wall_s', 1)} |")
+    return lines
+
+
+def _measured_at(arms: dict[str, dict[int, dict]]) -> str:
+    """Where P1 and P2 were measured, over every stored run (pre-registered: steps 5, 10, ..., 40; step 30)."""
+    runs = [run for seeds in arms.values() for run in seeds.values()]
+    kl_steps = sorted({run["preamble_kl_steps"] for run in runs})
+    end_steps = sorted({run["preference_step_end"] for run in runs if not math.isnan(run["preference_step_end"])})
+    kl = "; ".join(f"steps {', '.join(map(str, steps))}" if steps else "no measurement" for steps in kl_steps)
+    return (f"P1 is measured at {kl} ({'the same in every run' if len(kl_steps) == 1 else 'NOT the same in every run'}); "
+            f"P2's last measurement is at step {', '.join(f'{s:g}' for s in end_steps) or '–'}"
+            f"{' in every run' if len(end_steps) == 1 else ' (NOT the same in every run)'}.")
+
+
+def _primary_row(arm: str, runs: dict[int, dict], base: dict[int, dict], key: str, margin: float, seeds: str,
+                 family: str, tost_family: str) -> str:
+    """One primary comparison: the paired difference, its raw and Holm p, TOST (Holm over its own family), MDE at
+    alpha 0.05 and at Holm's strictest alpha / 4, and the pre-registered verdict: "effect" where the Holm-adjusted p is
+    below 0.05, "no difference larger than ±margin" where the Holm-adjusted TOST p is, otherwise "inconclusive"."""
+    a, b = finite_values(runs, key), finite_values(base, key)
+    mean, half, n = paired_difference(a, b)
+    _, p, _ = paired_t_test(a, b)
+    differences = paired_values(a, b)
+    p_tost = tost(differences, margin)[0] if n >= 2 else math.nan
+    comparison = (arm, key)
+    holm_p = FAMILIES.adjust(family, comparison, p)
+    holm_tost = FAMILIES.adjust(tost_family, comparison, p_tost)
+    if n < 2 or math.isnan(half):
+        call, equivalent = "n/a", "–"
+    else:
+        equivalent = f"within ±{margin:.2f}" if holm_tost < ALPHA else "not shown"
+        if n < MIN_SEEDS:
+            call = "inconclusive"
+        elif holm_p < ALPHA:
+            call = "effect"
+        else:
+            call = f"no difference larger than {margin:.2f}" if holm_tost < ALPHA else "inconclusive"
+    mde = minimal_detectable_effect(half, n)
+    if n >= 2 and not math.isnan(half):
+        strict = 1 - ALPHA / HOLM_TESTS
+        se = half / t_quantile(0.975, n - 1)
+        mde_holm = minimal_detectable_effect(se * t_quantile(0.5 + strict / 2, n - 1), n, strict)
+        detectable = "–" if call == "effect" else f"{mde:.3f} / {mde_holm:.3f}"
+    else:
+        detectable = "–"
+    equivalence_p = "–" if math.isnan(p_tost) else f"{format_p(p_tost)}, Holm {format_p(holm_tost)}"
+    return (f"| {seeds} | {n} | {format_interval(mean, half)} | {format_p(p)} | {format_p(holm_p)} "
+            f"| {equivalence_p} | {equivalent} | {detectable} | **{call}** |")
+
+
+def _primary_table(arms: dict[str, dict[int, dict]]) -> list[str]:
+    base = arms.get(BASE, {})
+    lines = ["| outcome | comparison (paired by seed) | seeds | n | difference (95%) | p | Holm p | TOST p (raw, Holm) "
+             "| equivalence | MDE (α 0.05 / Holm α/4) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, label, margin in OUTCOMES:
+        for arm in PRIMARY_ARMS:
+            runs = arms.get(arm, {})
+            for first, families in ((0, (PRIMARY, PRIMARY_TOST)), (SENSITIVITY_FIRST_SEED, (SENSITIVITY, SENSITIVITY_TOST))):
+                seeds = "all" if first == 0 else f"{first}–29 (sensitivity)"
+                row = _primary_row(arm, _from(runs, first), _from(base, first), key, margin, seeds, *families)
+                lines.append(f"| {label} (±{margin:.2f}) | `{arm}` − `{BASE}` {row}")
+    return lines
+
+
+def _secondary_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
+    base = arms.get(BASE, {})
+    lines = ["| paired with `DFPOMin` (same seed) | F2: learning tax | F3: per-step shared KL | F4: `val/accuracy` end "
+             f"| F4: equivalence within ±{EQUIVALENCE_MARGIN:g} (TOST, Holm over F4's 2) |", "|---|---|---|---|---|"]
+    for arm in PRIMARY_ARMS:
+        runs, name = arms.get(arm, {}), (arm,)
+        tests = (f"| `{arm}` − `{BASE}` | {difference(runs, base, 'tax', 4, family=F2, comparison=name)} "
+                 f"| {difference(runs, base, 'shared_kl', 5, family=F3, comparison=name)} "
+                 f"| {accuracy_difference(runs, base, F4, name)} |")
+        differences = paired_values(finite_values(runs, "val_end"), finite_values(base, "val_end"))
+        p_tost, lower, upper = tost(differences, EQUIVALENCE_MARGIN) if len(differences) >= 2 else (math.nan,) * 3
+        holm_tost = FAMILIES.adjust(F4_TOST, name, p_tost)
+        if len(differences) < 2:
+            equivalent = "–"
+        else:
+            call = f"no difference larger than {EQUIVALENCE_MARGIN:g}" if holm_tost < ALPHA else "inconclusive"
+            equivalent = (f"TOST p {format_p(p_tost)}, Holm {format_p(holm_tost)} (p of > −{EQUIVALENCE_MARGIN:g}: "
+                          f"{format_p(lower)}, of < +{EQUIVALENCE_MARGIN:g}: {format_p(upper)}): **{call}** (n={len(differences)})")
+        lines.append(f"{tests} {equivalent} |")
+    lines += ["", "F5, the 10-seed arms paired with `DFPOMin` on seeds 0–9 (one family of 6; a null whose MDE is above the "
+              "primary margin, ±0.05 on P1 and ±0.10 on P2, is inconclusive):", "",
+              "| arm | seeds | P1: KL from start | P1 − `DFPOMin` (paired) | P2: preference entropy (end) | P2 − `DFPOMin` (paired) |",
+              "|---|---|---|---|---|---|"]
+    for arm in TEN_SEED_ARMS:
+        runs = arms.get(arm, {})
+        ten = {seed: run for seed, run in base.items() if seed < E10_SEEDS[arm]}
+        cells = [f"{cell(runs, key)} | {difference(runs, ten, key, relevant=margin, family=F5, comparison=(arm, key))}"
+                 for key, _, margin in OUTCOMES]
+        lines.append(f"| `{arm}` | {len(runs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _identity_line(arms: dict[str, dict[int, dict]]) -> str:
+    """``DFPOMinTR`` against ``DFPOMin`` at each shared seed, every scalar series point for point (pre-registered as an
+    identity check: on-policy every ratio is 1 and the mask never acts; a difference is a bug, not a result)."""
+    checked, base = arms.get(IDENTITY_ARM, {}), arms.get(BASE, {})
+    seeds = sorted(set(checked) & set(base))
+    if not seeds:
+        return f"Identity check, `{IDENTITY_ARM}` against `{BASE}` (same seed, every scalar series point for point): no pairs yet."
+    comparisons = {seed: compare_scalars(base[seed]["scalars"], checked[seed]["scalars"]) for seed in seeds}
+    same = [seed for seed in seeds if comparisons[seed]["identical"]]
+    series = sorted({comparison["tags"] for comparison in comparisons.values()})
+    line = (f"Identity check, `{IDENTITY_ARM}` against `{BASE}` (same seed, every scalar series point for point, "
+            f"{'/'.join(map(str, series))} series per run): **identical at {len(same)} of {len(seeds)} seeds**")
+    different = [seed for seed in seeds if seed not in same]
+    if not different:
+        return line + f" (seeds {_seeds(seeds)})."
+    details = []
+    for seed in different:
+        comparison = comparisons[seed]
+        first = min((d["first_step"] for d in comparison["differ"].values()), default=math.nan)
+        named = sorted(comparison["differ"])[:3]
+        details.append(f"seed {seed}: {len(comparison['differ'])} series differ, from step {first:g} ({', '.join(named)}"
+                       f"{', …' if len(comparison['differ']) > 3 else ''}); {len(comparison['missing'])} only in `{BASE}`, "
+                       f"{len(comparison['extra'])} only in `{IDENTITY_ARM}`")
+    return line + "; NOT identical at " + "; ".join(details) + " (a bug to report, not a result)."
+
+
+def _untested_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
+    movement = matched_movement({(arm, E10_SETTING): seeds for arm, seeds in arms.items()})
+    matched = movement > 0  # on-policy every ratio is 1, so objective/approx_kl may be 0 at every step: nothing to match
+    if matched:
+        note = (f"Preference entropy at matched movement: at the first step where the summed `objective/approx_kl` reaches "
+                f"{movement:.3f} (the most every E10 run reaches by its last drift measurement), interpolated between measurements.")
+    else:
+        note = ("Preference entropy at matched movement (E7's method) is not defined here: the summed `objective/approx_kl` "
+                "is 0 by the last drift measurement in at least one run (on-policy the old and the current policy are the same "
+                "at every step, so there is no movement to match).")
+    lines = [f"Reported without tests (mean ± 95% t-interval over seeds). {note}", "",
+             "| arm | " + ("preference entropy at matched movement | " if matched else "")
+             + "preference entropy (start) | `probe/preamble_entropy` (step 40) | `probe/preamble_p` (step 40) "
+             "| `rollout/frac_zero_std_groups` | `rollout/preamble_stopped` | completion length | `val/accuracy` start |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if matched else "")]
+    for arm, seeds in arms.items():
+        at = {seed: {"matched": at_matched_movement(run, movement)} for seed, run in seeds.items()}
+        lines.append(f"| `{arm}` | " + (f"{cell(at, 'matched')} | " if matched else "")
+                     + f"{cell(seeds, 'preference_entropy_start')} | {cell(seeds, 'probe_entropy_end')} | {cell(seeds, 'probe_p_end')} "
+                     f"| {cell(seeds, 'zero_std_groups')} | {cell(seeds, 'preamble_stopped')} | {cell(seeds, 'completion_len', 1)} "
+                     f"| {cell(seeds, 'val_start')} |")
+    return lines
+
+
+def e10_section(runs: dict) -> list[str]:
+    """E10's tables from its main runs (``(arm, setting) -> seed -> summary``, :func:`lab.summaries.load_e10`); every
+    table renders with whatever runs are stored, so the section can be regenerated while the study runs."""
+    arms = {arm: seeds for arm in E10_SEEDS for (name, setting), seeds in runs.items() if name == arm and setting == E10_SETTING}
+    arms |= {name: seeds for (name, setting), seeds in sorted(runs.items()) if setting == E10_SETTING and name not in arms}
+    lines = [f"#### E10 forced branching (on-policy, `{E10_SETTING}`: scaffold 0, spread 8, K = 8 preamble tokens; 40 steps, lr 2e-4)",
+             ""] + _stored_lines(arms) + [""]
+    if not arms:
+        return lines + ["No runs yet."]
+    lines += _arm_table(arms) + ["", _measured_at(arms), "",
+                                 "Primary outcomes, paired with the same seed's `DFPOMin`: one Holm family of the 4 tests "
+                                 "(paired two-sided t-tests), and one of their 4 TOST p-values (the larger one-sided p, margins "
+                                 "±0.05 on P1 and ±0.10 on P2); an effect is called only on the Holm-adjusted p, equivalence only "
+                                 "on the Holm-adjusted TOST p, and a comparison that is neither is inconclusive (as is any with "
+                                 f"fewer than {MIN_SEEDS} pairs). Each comparison is shown on all seeds and on seeds 3–29, which "
+                                 "the pilot did not see (a family of its own, adjusted the same way).", ""]
+    lines += _primary_table(arms) + ["", "Secondary families, each Holm-adjusted separately (F2, F3, F4 on all paired seeds; a "
+                                         f"null on accuracy is inconclusive when its MDE is above {RELEVANT_ACCURACY:g}):", ""]
+    lines += _secondary_lines(arms) + ["", _identity_line(arms), ""] + _untested_lines(arms)
+    return lines
+
