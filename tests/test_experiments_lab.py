@@ -1,6 +1,10 @@
-"""The experiments' package benchmarks/lab/: its import order, replay's comparison, the README's generated numbers."""
+"""The experiments' package benchmarks/lab/: its import order, replay's comparison, the README's generated numbers, E10's
+section on the pilot's runs."""
 
 import ast
+import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -11,7 +15,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from lab import runs  # noqa: E402
 
-ORDER = ["stats", "runs", "summaries", "cells", "sections", "report"]  # each module may import only those before it
+ORDER = ["stats", "runs", "summaries", "cells", "sections_e10", "sections", "report"]  # each may import only those before it
 
 
 def lab_imports(path: Path) -> set[str]:
@@ -102,3 +106,111 @@ def test_provenance_records_pip_freeze_as_a_list_of_lines():
     frozen = runs.pip_freeze()
     assert isinstance(frozen, list) and all(isinstance(line, str) and line.strip() for line in frozen)
     assert any(line.lower().startswith("torch") for line in frozen)
+
+
+# ----------------------------------------------------------------------------------------------- E10's section
+PILOT2 = BENCHMARKS / "experiments" / "E10" / "pilot"
+
+
+def e10_folder(root: Path) -> Path:
+    """Pilot 2's 9 runs stored as main-study files in ``root/E10`` (setting ``s0v8-K8``), ``DFPOMinTR`` as copies of
+    ``DFPOMin`` at seeds 0 and 1 (seed 1 with one scalar changed at step 7), and a file in ``E10/pilot`` the loader must skip."""
+    folder = root / "E10"
+    (folder / "pilot").mkdir(parents=True)
+    for path in sorted(PILOT2.glob(f"*-pilot2-{runs.E10_SETTING}-seed*.json")):
+        record = json.loads(path.read_text())
+        record["setting"] = runs.E10_SETTING
+        (folder / f"{record['arm']}-{runs.E10_SETTING}-seed{record['seed']}.json").write_text(json.dumps(record))
+        if record["arm"] == "DFPOMin" and record["seed"] < 2:
+            copy = {**record, "arm": "DFPOMinTR"}
+            if record["seed"] == 1:
+                copy["scalars"] = {**record["scalars"], "health/grad_norm": [[s, v + (s == 7)] for s, v in record["scalars"]["health/grad_norm"]]}
+            (folder / f"DFPOMinTR-{runs.E10_SETTING}-seed{record['seed']}.json").write_text(json.dumps(copy))
+        (folder / "pilot" / f"{record['arm']}-{runs.E10_SETTING}-seed{record['seed'] + 50}.json").write_text(json.dumps(record))
+    return root
+
+
+def holm_by_hand(p_values: list[float]) -> list[float]:
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def test_e10_section_renders_the_pilot_runs_as_main_runs_and_its_numbers_match_scipy(tmp_path):
+    from lab import cells, report, summaries
+    from scipy import stats as scipy_stats
+
+    results = summaries.load(e10_folder(tmp_path))
+    assert set(results) == {"E10"}
+    e10 = results["E10"]
+    assert {arm: sorted(seeds) for (arm, _), seeds in e10.items()} == {
+        "DFPOMin": [0, 1, 2], "DFPOMin-SharedNoise": [0, 1, 2], "GRPO": [0, 1, 2], "DFPOMinTR": [0, 1]}  # not the pilot folder's
+    lines = report.generated(results, {})
+    text = "\n".join(lines)
+    start = lines.index("#### E10 forced branching (on-policy, `s0v8-K8`: scaffold 0, spread 8, K = 8 preamble tokens; 40 steps, lr 2e-4)")
+    assert lines[start - 2 : start] == ["Not run yet.", ""]  # after E9's (absent here) section
+
+    # independently: P1 and P2 per run from the JSON, paired differences with scipy, Holm by hand over the 4 primary tests
+    def outcome(arm: str, seed: int, key: str) -> float:
+        scalars = json.loads((PILOT2 / f"{arm}-pilot2-{runs.E10_SETTING}-seed{seed}.json").read_text())["scalars"]
+        if key == "P1":
+            return statistics.fmean(v for _, v in scalars["probe/preamble_kl"])
+        return scalars["health/drift_preference_entropy"][-1][1]
+
+    raw, tost_raw, rows = [], [], []
+    for key, margin in (("P1", 0.05), ("P2", 0.10)):
+        for arm in ("DFPOMin-SharedNoise", "GRPO"):
+            differences = [outcome(arm, s, key) - outcome("DFPOMin", s, key) for s in range(3)]
+            raw.append(scipy_stats.ttest_rel([outcome(arm, s, key) for s in range(3)], [outcome("DFPOMin", s, key) for s in range(3)]).pvalue)
+            tost_raw.append(max(scipy_stats.ttest_1samp(differences, -margin, alternative="greater").pvalue,
+                                scipy_stats.ttest_1samp(differences, margin, alternative="less").pvalue))
+            mean = statistics.fmean(differences)
+            half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(differences) / math.sqrt(3)
+            rows.append((key, arm, mean, half))
+    holm, holm_tost = holm_by_hand(raw), holm_by_hand(tost_raw)
+    assert [cells.FAMILIES.adjusted["E10 primary (P1, P2)"][(arm, k)] for k in ("preamble_kl", "preference_entropy")
+            for arm in ("DFPOMin-SharedNoise", "GRPO")] == pytest.approx(holm, rel=1e-6)
+    for (key, arm, mean, half), p, adjusted, p_tost, adjusted_tost in zip(rows, raw, holm, tost_raw, holm_tost):
+        label = "P1: KL from start at the preamble contexts (±0.05)" if key == "P1" else "P2: preference entropy (end) (±0.10)"
+        row = (f"| {label} | `{arm}` − `DFPOMin` | all | 3 | {mean:.3f} ± {half:.3f} | {cells.format_p(p)} | {cells.format_p(adjusted)} "
+               f"| {cells.format_p(p_tost)}, Holm {cells.format_p(adjusted_tost)} |")
+        assert row in text, row
+        assert f"| {label} | `{arm}` − `DFPOMin` | 3–29 (sensitivity) | 0 | – | – | – | – | – | – | **n/a** |" in text
+    # by hand, the pilot's GRPO − DFPOMin on P1: −0.023 ± 0.009 (docs/experiments.md), p 0.0085, Holm over the 4: 0.034
+    assert rows[1][2:] == pytest.approx((-0.0230, 0.0092), abs=5e-4) and holm[1] == pytest.approx(0.034, abs=5e-4)
+    # n = 3 is below the 5 seeds any verdict needs: inconclusive, whatever the tests say (the GRPO P1 TOST rejects after Holm)
+    assert "| 0.0032, Holm 0.013 | within ±0.05 | 0.012 / 0.021 | **inconclusive** |" in text
+
+    # secondary: F2's learning tax, noise − untouched, with scipy; the families appear in the Holm table
+    taxes = {arm: [statistics.fmean(v for _, v in json.loads((PILOT2 / f"{arm}-pilot2-{runs.E10_SETTING}-seed{s}.json").read_text())
+                                    ["scalars"]["health/learning_tax"]) for s in range(3)] for arm in ("DFPOMin", "DFPOMin-SharedNoise", "GRPO")}
+    p_noise = scipy_stats.ttest_rel(taxes["DFPOMin-SharedNoise"], taxes["DFPOMin"]).pvalue
+    p_grpo = scipy_stats.ttest_rel(taxes["GRPO"], taxes["DFPOMin"]).pvalue
+    tax_gap = statistics.fmean(a - b for a, b in zip(taxes["DFPOMin-SharedNoise"], taxes["DFPOMin"]))
+    assert (f"| `DFPOMin-SharedNoise` − `DFPOMin` | {tax_gap:.4f} ± " in text
+            and f"p {cells.format_p(p_noise)}, Holm {cells.format_p(holm_by_hand([p_noise, p_grpo])[0])}; MDE" in text)
+    for family, size in (("E10 primary (P1, P2)", 4), ("E10 primary, equivalence (TOST)", 4), ("E10 F2 learning tax (secondary)", 2),
+                         ("E10 F3 per-step shared KL (secondary)", 2), ("E10 F4 accuracy (secondary)", 2),
+                         ("E10 F4 accuracy, equivalence (TOST, secondary)", 2), ("E10 primary, seeds 3–29 (sensitivity)", 0)):
+        assert f"| {family} | {size} | " in text, family
+
+    # the per-arm table, the stored runs, the identity check, and the matched movement on-policy
+    assert "| `DFPOMin` | 3 | 6.4e-09 ± 7.3e-10 | 0.00804 ± 0.00963 | 0.203 ± 0.014 | 1.441 ± 0.271 | 0.894 ± 0.008 |" in text
+    assert "Runs stored: 11 of the 130 pre-registered (`DFPOMin` 3/30 (missing seeds 3–29)," in text
+    assert "`DrGRPO` 0/10 (missing seeds 0–9)" in text and "`DFPOMinTR` 2/10 (missing seeds 2–9)" in text
+    assert "**identical at 1 of 2 seeds**; NOT identical at seed 1: 1 of 124 series differ, from step 7 (health/grad_norm)" in text
+    assert "P1 is measured at steps 5, 10, 15, 20, 25, 30, 35, 40 (the same in every run); P2's last measurement is at step 30" in text
+    assert "Preference entropy at matched movement (E7's method) is not defined here" in text
+
+
+def test_e10_section_without_runs(tmp_path):
+    from lab import summaries
+    from lab.sections_e10 import e10_section
+
+    (tmp_path / "E10").mkdir()
+    assert summaries.load_e10(tmp_path / "E10") == {} and "E10" not in summaries.load(tmp_path)
+    lines = e10_section({})
+    assert lines[-1] == "No runs yet." and "Runs stored: 0 of the 130 pre-registered" in lines[2]

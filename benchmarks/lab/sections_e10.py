@@ -197,11 +197,12 @@ def _identity_line(arms: dict[str, dict[int, dict]]) -> str:
     details = []
     for seed in different:
         comparison = comparisons[seed]
-        first = min((d["first_step"] for d in comparison["differ"].values()), default=math.nan)
-        named = sorted(comparison["differ"])[:3]
-        details.append(f"seed {seed}: {len(comparison['differ'])} series differ, from step {first:g} ({', '.join(named)}"
-                       f"{', …' if len(comparison['differ']) > 3 else ''}); {len(comparison['missing'])} only in `{BASE}`, "
-                       f"{len(comparison['extra'])} only in `{IDENTITY_ARM}`")
+        differ = comparison["differ"]
+        named = ", ".join(sorted(differ)[:3]) + (", …" if len(differ) > 3 else "")
+        first = min((d["first_step"] for d in differ.values()), default=math.nan)
+        where = f", from step {first:g} ({named})" if differ else ""
+        details.append(f"seed {seed}: {len(differ)} of {comparison['tags']} series differ{where}; "
+                       f"{len(comparison['missing'])} only in `{BASE}`, {len(comparison['extra'])} only in `{IDENTITY_ARM}`")
     return line + "; NOT identical at " + "; ".join(details) + " (a bug to report, not a result)."
 
 
