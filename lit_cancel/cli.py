@@ -26,7 +26,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 
 from lit_cancel import audit, checkpointing, presets
@@ -34,6 +34,7 @@ from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.log_errors import log_write_error, quiet_log_writer_threads, report_log_write_errors
 from lit_cancel.objectives import Objective
+from lit_cancel.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.runs import checkpoint_metadata, prepare_run
 from lit_cancel.sharding import check_strategy, shards
@@ -228,10 +229,19 @@ class LitCancelCLI(LightningCLI):
                             help="start a new run in a folder that already holds one; its checkpoints replace those of the same name")
 
     def before_instantiate_classes(self) -> None:
-        trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.trainer
         if trainer.enable_progress_bar is False and isinstance(trainer.callbacks, list):
             # Lightning refuses a progress bar callback with enable_progress_bar=False
             trainer.callbacks = [c for c in trainer.callbacks if not issubclass(_class(c.class_path), ProgressBar)]
+        if trainer.precision == AUTO:
+            # the saved config.yaml holds the choice, so a resumed or repeated run uses it again
+            model_path = config.model.init_args.get("model_path")
+            if model_path is None:
+                raise ConfigError("trainer.precision auto is chosen for the model in model.init_args.model_path, which this model lacks")
+            choice = auto_precision(model_path, str(trainer.accelerator))
+            trainer.precision = choice.precision
+            rank_zero_info(f"trainer.precision auto: {choice.precision} ({choice.reason})")
 
     def parse_arguments(self, parser, args) -> None:
         try:
@@ -340,15 +350,6 @@ class LitCancelCLI(LightningCLI):
             self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
 
-def cpu_has_native_bf16() -> bool | None:
-    """Whether the CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX, from /proc/cpuinfo); None where unknown."""
-    try:
-        flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    except OSError:
-        return None
-    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags[1].split()))
-
-
 def _class(class_path: str) -> type:
     module, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -359,6 +360,7 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
     return LitCancelCLI(
         LightningModule,
         LightningDataModule,
+        trainer_class=Trainer,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
