@@ -3,6 +3,7 @@
     pip install -e ".[bench]"        # installs trl
     python benchmarks/vs_trl.py [--rows small,large,large-ckpt] [--steps 10] [--warmup 2] [--threads N]
     python benchmarks/vs_trl.py --realistic       # EOS on: the rows real-small-fp32, real-small-bf16, real-large-fp32, real-large-bf16
+    python benchmarks/vs_trl.py --sweep --steps 3 --warmup 1   # completion limits 128 to 2,048 tokens, two regimes
 
 Each framework trains in its own process (its peak resident memory is that process's), one after
 the other, on the same work, and the table gives lit_cancel's wall time per step as a share of TRL's.
@@ -23,6 +24,9 @@ Matched settings, both sides:
 * the same prompts (3-digit additions) and reward (``AdditionTask.reward``);
 * AdamW, lr 1e-6, no weight decay, gradient norm clipped at 1.0 (TRL's default ``max_grad_norm``);
 * activation checkpointing as the row says (TRL's ``GRPOConfig`` turns it on by default, lit_cancel off);
+* the length sweep (``--sweep``): the 0.8 M model with checkpointing on (lit_cancel ``activation_checkpointing: chunks``),
+  limits of 128 to 2,048 new tokens, each with lengths that vary (EOS's logit set for a mean length of 0.45 of the limit,
+  about a fifth reaching it) and with every completion running to the limit (EOS suppressed);
 * ``real-small-fp32-compiled`` (not in ``--realistic``): lit_cancel's decoder through ``torch.compile``
   (``RLModule(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilations.
 
@@ -58,10 +62,12 @@ class Row:
     mlp: int
     heads: int
     new_tokens: int
-    checkpointing: bool
+    checkpointing: bool | str  # TRL's gradient checkpointing on or off; a string: lit_cancel's activation_checkpointing mode
     eos: bool = False
     bf16: bool = False
     compiled: bool = False  # lit_cancel's RLModule(compile=True); TRL as in the row without it
+    # EOS on, its logit set so that completions are on average this share of new_tokens long
+    mean_share: float | None = None
 
 
 SMALL, LARGE = (128, 3, 512, 4), (512, 8, 1280, 8)
@@ -77,6 +83,16 @@ ROWS = {
     "real-small-fp32-compiled": Row(*SMALL, 128, False, eos=True, compiled=True),
 }
 REALISTIC = [name for name, row in ROWS.items() if row.eos and not row.compiled]
+# the length sweep: the small model, checkpointing on (TRL's default; lit_cancel by chunk, which keeps the least for a
+# model of 3 blocks: docs/gpu.md), each limit in two regimes: lengths that vary
+# (EOS's logit set for a mean length of 0.45 of the limit: a nearly geometric stop, about a fifth of completions reach it)
+# and completions that all run to the limit (EOS suppressed)
+SWEEP_LENGTHS = (128, 256, 512, 1024, 2048)
+SWEEP = {}
+for length in SWEEP_LENGTHS:
+    SWEEP[f"varying-{length}"] = Row(*SMALL, length, "chunks", eos=True, mean_share=0.45)
+    SWEEP[f"to-limit-{length}"] = Row(*SMALL, length, "chunks")
+ROWS |= SWEEP
 PROMPTS, GROUP, LR, SEED = 8, 8, 1e-6, 0
 
 
@@ -90,9 +106,50 @@ def write_model(folder: Path, row: Row) -> int:
     )
     torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(config)
+    if row.mean_share is not None:
+        set_mean_length(model, tokenizer, row.new_tokens, row.mean_share * row.new_tokens)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length: float) -> None:
+    """Points the (tied) embedding of EOS along the mean final hidden state, scaled so that completions of up to ``limit``
+    tokens sampled at T = 1 are ``mean_length`` long on average, EOS included.
+
+    EOS never precedes another token, so its embedding changes no context that a completion's next token is drawn
+    in: one batch sampled with EOS suppressed holds the contexts, and each row's expected length
+    ``sum_t prod_{s<t} (1 - p_s)`` follows from EOS's probability ``p_s`` at its positions, for any scale.
+    """
+    from lit_cancel.decoding import logits_processors, sample_completions
+
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([r["prompt"] for r in AdditionTask(num_digits=3).train_records()[:PROMPTS]], return_tensors="pt", padding=True)
+    torch.manual_seed(SEED)
+    sequences = sample_completions(
+        model, prompts["input_ids"], prompts["attention_mask"], GROUP, limit, [], tokenizer.pad_token_id,
+        logits_processors({"suppress_tokens": [eos]}, 1.0, 1.0, greedy=False),
+    )
+    prompt_length = prompts["input_ids"].shape[1]
+    mask = torch.cat([prompts["attention_mask"].repeat_interleave(GROUP, 0), torch.ones_like(sequences[:, prompt_length:])], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model.model(input_ids=sequences, attention_mask=mask, position_ids=positions).last_hidden_state[:, prompt_length - 1 : -1]
+    weights = model.get_output_embeddings().weight
+    others = torch.logsumexp(hidden @ torch.cat([weights[:eos], weights[eos + 1 :]]).T, dim=-1)
+    direction = hidden.flatten(0, 1).mean(0)
+    along = hidden @ (direction / direction.norm())
+
+    def expected_length(scale: float) -> float:
+        stop = torch.sigmoid(scale * along - others)  # EOS's probability at each position
+        survival = torch.cumprod(1 - stop, dim=1)
+        return (1 + survival[:, :-1].sum(1)).mean().item()
+
+    low, high = -100.0, 100.0  # the expected length falls as the scale grows
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_length(middle) > mean_length else (low, middle)
+    weights[eos] = (low + high) / 2 * direction / direction.norm()
 
 
 def generation_kwargs(row: Row) -> dict:
@@ -122,7 +179,7 @@ def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[i
         num_generations=GROUP, max_completion_length=row.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         generation_kwargs=generation_kwargs(row), loss_type="grpo", scale_rewards="group",
         epsilon=0.2, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0,
-        gradient_checkpointing=row.checkpointing, use_cpu=True, bf16=row.bf16, report_to="none", save_strategy="no",
+        gradient_checkpointing=bool(row.checkpointing), use_cpu=True, bf16=row.bf16, report_to="none", save_strategy="no",
         seed=SEED, logging_steps=1, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset,
@@ -194,6 +251,10 @@ class Measured:
     def length_se(self) -> float:
         return statistics.stdev(self.lengths) / math.sqrt(len(self.lengths))
 
+    def limit_share(self, limit: int) -> float:
+        """The share of completions that reached ``limit`` tokens (cut there, or ending at EOS exactly there)."""
+        return sum(n >= limit for n in self.lengths) / len(self.lengths)
+
     @property
     def tokens_per_s(self) -> float:
         return self.mean_length * PROMPTS * GROUP / self.seconds
@@ -223,6 +284,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="small,large,large-ckpt", help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--realistic", action="store_true", help=f"the rows {', '.join(REALISTIC)} (EOS on)")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"the length sweep: {', '.join(map(str, SWEEP_LENGTHS))} tokens, lengths varying and running to the limit")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per framework (median)")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
     parser.add_argument("--threads", type=int, help="torch threads in each run (default: torch's choice)")
@@ -238,7 +301,7 @@ def main() -> None:
     except ImportError:
         print("benchmarks/vs_trl.py compares with TRL, which is not installed: pip install -e \".[bench]\"")
         return
-    rows = REALISTIC if args.realistic else args.rows.split(",")
+    rows = REALISTIC if args.realistic else list(SWEEP) if args.sweep else args.rows.split(",")
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
@@ -247,20 +310,24 @@ def main() -> None:
           f"epsilon=0.2), beta=0, one update per round, AdamW lr {LR:g}, grad-norm clip 1.0; median of {args.steps} steps "
           f"after {args.warmup} warm-up; completion length: mean ± 95% interval, EOS included\n")
     print("| work per step | TRL s/step | lit_cancel s/step | ratio | TRL tokens/s | lit_cancel tokens/s "
-          "| TRL length | lit_cancel length | TRL peak RSS | lit_cancel peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| TRL length | lit_cancel length | reached the limit (TRL / lit_cancel) | TRL peak RSS | lit_cancel peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in rows:
         row = ROWS[name]
         with tempfile.TemporaryDirectory() as scratch:
             params = write_model(Path(scratch), row)
             trl_run, lit_run = measure("trl", scratch, name, args), measure("lit_cancel", scratch, name, args)
-        stop = "EOS or " if row.eos else "exactly "
+        stop = (f"EOS (mean {row.mean_share:g} of the limit) or " if row.mean_share else "EOS or ") if row.eos else "exactly "
         label = (f"{params / 1e6:.1f} M params, {stop}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
-                 f"checkpointing {'on' if row.checkpointing else 'off'}{', lit_cancel compiled' if row.compiled else ''}")
+                 f"checkpointing {'on' if row.checkpointing else 'off'}"
+                 f"{f' (lit_cancel by {row.checkpointing})' if isinstance(row.checkpointing, str) else ''}"
+                 f"{', lit_cancel compiled' if row.compiled else ''}")
         differ = abs(trl_run.mean_length - lit_run.mean_length) > 1.96 * math.hypot(trl_run.length_se, lit_run.length_se)
         print(f"| {label} | {trl_run.seconds:.3f} | {lit_run.seconds:.3f} | {lit_run.seconds / trl_run.seconds:.2f}x "
               f"| {trl_run.tokens_per_s:,.0f} | {lit_run.tokens_per_s:,.0f} | {length_cell(trl_run)} | {length_cell(lit_run)}"
-              f"{' (lengths differ)' if differ else ''} | {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
+              f"{' (lengths differ)' if differ else ''} "
+              f"| {trl_run.limit_share(row.new_tokens):.0%} / {lit_run.limit_share(row.new_tokens):.0%} "
+              f"| {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -85,11 +85,15 @@ class PolicyModule(L.LightningModule):
             ``flash_attention_2`` with ``flash-attn`` on an NVIDIA GPU); None: Hugging Face's default.
         from_scratch: build the architecture from the folder's ``config.json`` with random weights.
         lora: train LoRA adapters (peft) instead of the whole model.
-        activation_checkpointing: recompute activations in the backward pass instead of keeping them. With
-            ``max_tokens_per_chunk``, by chunk: the backward pass runs each chunk's decoder pass again, one
-            chunk at a time, so memory grows with the chunk budget and the completion tokens' final states,
-            not with the batch's tokens times the blocks (for long completions). Without it, by transformer
-            block (Hugging Face gradient checkpointing). Either way one more forward pass per step.
+        activation_checkpointing: recompute activations in the backward pass instead of keeping them.
+            ``"blocks"`` (or True): each transformer block's (Hugging Face gradient checkpointing); what is
+            kept grows with the micro-batch's tokens times the blocks (a block's input per token and block).
+            ``"chunks"``: each chunk's whole decoder pass (needs ``max_tokens_per_chunk``); what is kept is
+            one final state per completion token, and the recomputation holds one chunk's activations of
+            every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, one
+            more forward pass again; kept memory per token of the chunks' alone, and the recomputation
+            holds one chunk's block inputs and one block's activations: the least memory for long
+            completions on large models (docs/gpu.md gives the bytes per token). False: none.
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
@@ -117,7 +121,7 @@ class PolicyModule(L.LightningModule):
         attn_implementation: str | None = None,
         from_scratch: bool = False,
         lora: LoRA | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | Literal["blocks", "chunks", "blocks+chunks"] = False,
         generation_kwargs: dict | None = None,
         engine: RolloutEngine | None = None,
         compile: bool = False,
@@ -147,6 +151,14 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
         if pack_sequences and max_tokens_per_chunk is None:
             raise ValueError("pack_sequences needs max_tokens_per_chunk: the most tokens in one packed row")
+        if activation_checkpointing not in (False, True, "blocks", "chunks", "blocks+chunks"):
+            raise ValueError(
+                f"activation_checkpointing must be false, true, 'blocks', 'chunks' or 'blocks+chunks', got {activation_checkpointing!r}"
+            )
+        if activation_checkpointing in ("chunks", "blocks+chunks") and max_tokens_per_chunk is None:
+            raise ValueError(
+                f"activation_checkpointing {activation_checkpointing!r} recomputes chunks of max_tokens_per_chunk, which is null"
+            )
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
@@ -156,8 +168,8 @@ class PolicyModule(L.LightningModule):
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
         self.stop_token_ids = stop_token_ids(model, self.tokenizer)
-        self.recompute_chunks = activation_checkpointing and max_tokens_per_chunk is not None
-        if activation_checkpointing and not self.recompute_chunks:
+        self.recompute_chunks = activation_checkpointing in ("chunks", "blocks+chunks")
+        if activation_checkpointing in (True, "blocks", "blocks+chunks"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             model = lora.apply(model)

@@ -87,7 +87,7 @@ class GreedyBeforeTraining(L.Callback):
 def train(
     objective: str, devices: int, strategy: str, accumulate: int, steps: int, kl_coef: float,
     precision: str = "32-true", dtype: str | None = None, max_tokens_per_chunk: int | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
 ) -> dict:
     # plain SGD: Adam's normalisation would turn float rounding in near-zero gradients into lr-sized steps
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     # one per process, the last for the rest: processes can run different numbers of decoder chunks
     parser.add_argument("--max-tokens-per-chunk", type=int, nargs="+")
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--activation-checkpointing", default=False, help="the module's activation_checkpointing mode")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", 0))
     budget = args.max_tokens_per_chunk[min(rank, len(args.max_tokens_per_chunk) - 1)] if args.max_tokens_per_chunk else None

@@ -43,7 +43,7 @@ def test_single_gpu_recipe_trains_in_bf16_mixed(tmp_path, tiny_model_path, gsm8k
     assert cli.trainer.global_step == 2
     assert cli.trainer.precision == "bf16-mixed"
     assert isinstance(cli.model.objective, DrGRPO) and cli.model.reference is None
-    assert cli.model.recompute_chunks and not cli.model.policy.model.is_gradient_checkpointing  # by chunk: the token budget is on
+    assert cli.model.policy.model.is_gradient_checkpointing
     # 4 prompts x 2 completions in 4 micro-batches of 2 sequences per step
     assert cli.trainer.accumulate_grad_batches == 4
 

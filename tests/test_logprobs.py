@@ -39,8 +39,10 @@ def test_chunked_logprobs_gradient_matches_full_logits(tiny_model_path):
         assert torch.allclose(chunked_grad, p.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_tokens_per_chunk", [None, 6])
-def test_activation_checkpointing_gives_the_same_gradient(max_tokens_per_chunk):
+@pytest.mark.parametrize("checkpointing, max_tokens_per_chunk", [
+    (True, None), ("blocks", 6), ("chunks", 6), ("blocks+chunks", 6), ("blocks+chunks", 64),
+])
+def test_activation_checkpointing_gives_the_same_gradient(checkpointing, max_tokens_per_chunk):
     from lit_cancel import RLModule
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 5, 6, 7, 8, 9, 10, 11]])
@@ -48,16 +50,24 @@ def test_activation_checkpointing_gives_the_same_gradient(max_tokens_per_chunk):
     mask[1, -3:] = 0  # rows of unequal length: two chunks of one row each under a budget of 6 tokens
     weights = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     gradients = []
-    for checkpointing in (False, True):
-        module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing, max_tokens_per_chunk=max_tokens_per_chunk)
-        # by block without a token budget, by chunk with one
-        assert module.policy.model.is_gradient_checkpointing == (checkpointing and max_tokens_per_chunk is None)
-        assert module.recompute_chunks == (checkpointing and max_tokens_per_chunk is not None)
+    for mode in (False, checkpointing):
+        module = RLModule("embedded:tiny-adder", activation_checkpointing=mode, max_tokens_per_chunk=max_tokens_per_chunk)
+        assert module.policy.model.is_gradient_checkpointing == (mode in (True, "blocks", "blocks+chunks"))
+        assert module.recompute_chunks == (mode in ("chunks", "blocks+chunks"))
         logprobs, _ = module.completion_logprobs(module.policy, ids, mask, 4)
         (logprobs * weights * mask[:, 4:]).sum().backward()
         gradients.append(torch.cat([p.grad.flatten() for p in module.policy.parameters()]))
     assert gradients[0].abs().sum() > 0
     torch.testing.assert_close(gradients[0], gradients[1], atol=1e-6, rtol=1e-5)
+
+
+def test_an_unknown_or_unbudgeted_checkpointing_mode_is_refused():
+    from lit_cancel import RLModule
+
+    with pytest.raises(ValueError, match="must be false, true, 'blocks', 'chunks' or 'blocks\\+chunks', got 'layers'"):
+        RLModule("embedded:tiny-adder", activation_checkpointing="layers")
+    with pytest.raises(ValueError, match="'chunks' recomputes chunks of max_tokens_per_chunk, which is null"):
+        RLModule("embedded:tiny-adder", activation_checkpointing="chunks", max_tokens_per_chunk=None)
 
 
 def saved_bytes_of_a_pass(module, ids, mask, prompt_length) -> int:
@@ -77,10 +87,10 @@ def test_recomputed_chunks_leave_autograd_only_the_final_states_of_completion_to
     mask[::2, -10:] = 0
     completion_tokens = int(mask[:, 10:].sum())
     saved_bytes = {}
-    for checkpointing in (False, True):
+    for checkpointing in (False, "chunks"):
         module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing, max_tokens_per_chunk=64)
         saved_bytes[checkpointing] = saved_bytes_of_a_pass(module, ids, mask, 10)
     # one float32 state per completion token (what the head needs), plus the chunks' token ids
     final_states = completion_tokens * module.policy.model.config.hidden_size * 4
-    assert final_states <= saved_bytes[True] <= 1.5 * final_states
+    assert final_states <= saved_bytes["chunks"] <= 1.5 * final_states
     assert saved_bytes[False] > 10 * final_states  # every block's activations

@@ -66,9 +66,9 @@ def test_fsdp2_under_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards_gradie
 
 
 def test_fsdp2_recomputing_uneven_chunks_reaches_the_gradient_and_parameters_of_one_process(one_process, tmp_path):
-    """Activation checkpointing by chunk under FSDP2: each backward recomputes its chunk's decoder pass (gathering the
-    shards again), with budgets that give the two processes different numbers of chunks."""
-    two = train(tmp_path, 2, "fsdp2", "--activation-checkpointing", "--max-tokens-per-chunk", "64", "24")
+    """Activation checkpointing by chunk (and block within) under FSDP2: each backward recomputes its chunk's decoder pass
+    (gathering the shards again), with budgets that give the two processes different numbers of chunks."""
+    two = train(tmp_path, 2, "fsdp2", "--activation-checkpointing=blocks+chunks", "--max-tokens-per-chunk", "64", "24")
     for name in OBJECTIVES:
         split, whole = two[name], one_process[name]
         assert torch.allclose(split["gradient"], whole["gradient"], rtol=1e-4, atol=1e-7), name
