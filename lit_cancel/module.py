@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
+from lit_cancel.host_memory import release_free_heap
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -183,6 +184,8 @@ class PolicyModule(L.LightningModule):
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
         """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token."""
+        # the KV cache would otherwise come on top of the host memory the last training pass freed (host_memory.py)
+        release_free_heap()
         was_training = self.policy.training
         self.policy.eval()
         with gathered(self.policy), self.engine.context(self):

@@ -1,0 +1,45 @@
+"""Handing freed host memory back to the system before a rollout, where the C library is glibc (Linux).
+
+glibc's ``malloc`` raises its mmap threshold each time a large block is freed, so later tensors of up to
+32 MiB come from its heap, and when they are freed the memory stays in the process. A rollout that starts
+after a training pass then stacks its KV cache on top of all the memory the pass freed: the process's peak
+is the two phases' sum, not the larger. ``malloc_trim`` gives the free pages back (in the middle of the heap
+too, not only at its end); it runs only when at least ``min_free`` bytes are free, so that small steps do not
+pay for touching fresh pages again.
+"""
+
+import ctypes
+import ctypes.util
+from functools import cache
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError, TypeError):  # not glibc, or one older than 2.33
+        return None
+    return libc
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes free in glibc's heaps (``mallinfo2().fordblks``), still held by the process; None without glibc."""
+    libc = _glibc()
+    return None if libc is None else libc.mallinfo2().fordblks
+
+
+def release_free_heap(min_free: int = 256 * 2**20) -> bool:
+    """Hands the heap's free pages back to the system if at least ``min_free`` bytes are free; whether it did."""
+    free = free_heap_bytes()
+    if free is None or free < min_free:
+        return False
+    _glibc().malloc_trim(0)
+    return True

@@ -1,0 +1,29 @@
+"""Freed host memory goes back to the system before a rollout (glibc's malloc_trim), and only when there is much of it."""
+
+import pytest
+import torch
+
+from lit_cancel.host_memory import free_heap_bytes, release_free_heap
+
+MiB = 2**20
+pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="glibc 2.33 or later (Linux) only")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_the_memory_freed_tensors_leave_in_the_heap_goes_back_to_the_system():
+    large = torch.ones(24 * MiB, dtype=torch.uint8)
+    del large  # a freed mmapped block raises glibc's mmap threshold: the tensors below now come from the heap
+    tensors = [torch.ones(MiB // 4) for _ in range(400)]
+    last = tensors[-1]  # it holds the top of the heap, so nothing below it is trimmed when freed
+    del tensors
+    assert free_heap_bytes() >= 300 * MiB
+    held = resident_bytes()
+    assert not release_free_heap(min_free=2**40)  # less free than asked for: nothing happens
+    assert resident_bytes() > held - 50 * MiB
+    assert release_free_heap(min_free=256 * MiB)
+    assert resident_bytes() < held - 300 * MiB
+    assert last.sum() == MiB // 4  # what is still in use is untouched
