@@ -130,10 +130,10 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args.row, args.child, args.eos, args.steps, options)))
         return
     row = ROWS[args.row]
-    print(f"{args.row} ({'bf16' if row.bf16 else 'fp32'}, checkpointing {'on' if row.checkpointing else 'off'}), "
-          f"{'EOS or ' if args.eos else 'exactly '}LENGTH new tokens, 8 prompts x 8 rollouts, "
-          f"{args.threads or torch.get_num_threads()} threads{', ' + ', '.join(args.options) if args.options else ''}; "
-          f"peak RSS (MiB) per phase of each step\n")
+    settings = {"activation_checkpointing": row.checkpointing, **options}
+    print(f"the {args.row} row's model ({'bf16' if row.bf16 else 'fp32'}), {'EOS or ' if args.eos else 'exactly '}LENGTH new tokens, "
+          f"8 prompts x 8 rollouts, {args.threads or torch.get_num_threads()} threads, "
+          f"{', '.join(f'{name}={value!r}' for name, value in settings.items())}; peak RSS (MiB) per phase of each step\n")
     print("| completion tokens | step | mean length | before the step | " + " | ".join(PHASES) + " | step peak | growth over the step |")
     print("|---" * (len(PHASES) + 6) + "|")
     for length in args.lengths:

@@ -205,6 +205,7 @@ class LitCancelCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         self.reserved_folders: list[Path] = []  # the folders prepare_run made for a new fit, innermost first
+        kwargs.setdefault("trainer_class", Trainer)  # Lightning's, with trainer.precision: auto
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -360,7 +361,6 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
     return LitCancelCLI(
         LightningModule,
         LightningDataModule,
-        trainer_class=Trainer,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
