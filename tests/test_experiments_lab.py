@@ -201,7 +201,7 @@ def test_e10_section_renders_the_pilot_runs_as_main_runs_and_its_numbers_match_s
     assert "| `DFPOMin` | 3 | 6.4e-09 ± 7.3e-10 | 0.00804 ± 0.00963 | 0.203 ± 0.014 | 1.441 ± 0.271 | 0.894 ± 0.008 |" in text
     assert "Runs stored: 11 of the 130 pre-registered (`DFPOMin` 3/30 (missing seeds 3–29)," in text
     assert "`DrGRPO` 0/10 (missing seeds 0–9)" in text and "`DFPOMinTR` 2/10 (missing seeds 2–9)" in text
-    assert "**identical at 1 of 2 seeds**; NOT identical at seed 1: 1 of 124 series differ, from step 7 (health/grad_norm)" in text
+    assert "**identical at 1 of 2 seeds**; NOT identical at seed 1: 1 of 122 series differ, from step 7 (health/grad_norm)" in text
     assert "P1 is measured at steps 5, 10, 15, 20, 25, 30, 35, 40 (the same in every run); P2's last measurement is at step 30" in text
     assert "Preference entropy at matched movement (E7's method) is not defined here" in text
 

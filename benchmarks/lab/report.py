@@ -12,7 +12,9 @@ from pathlib import Path
 from lab.cells import EQUIVALENCE_MARGIN, FAMILIES, finite_values, format_p, pair
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
 from lab.sections import SHARED, experiment_sections
-from lab.stats import fieller_interval, mean_interval, paired_difference, paired_values, tost
+from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY
+from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
+from lab.stats import ALPHA, fieller_interval, mean_interval, paired_difference, paired_values, tost
 from lab.summaries import confidence_adjusted, load
 
 DOC = ROOT / "docs" / "experiments.md"
@@ -163,7 +165,31 @@ def readme_lines(results: dict) -> list[str]:
         f"* **Batching plans did not help**: at μ = 4, 8 mini-batches, reward-balanced − shuffled {_signed(rb, 3)} ± {rb_half:.3f} "
         f"(Holm p {_adjusted('E9 accuracy', pair('reward_balanced', 'shuffled'))}, no effect);",
         f"  sorting by sign, its opposite, is within {points} points of it (TOST p {format_p(sorted_tost)}).",
+        *e10_readme_lines(results["E10"]),
         README_END,
+    ]
+
+
+P2 = "preference_entropy"  # E10's preference drift
+
+
+def e10_readme_lines(runs: dict) -> list[str]:
+    """E10's bullet: the noise arm's and GRPO's preference drift (P2), with the verdicts of the pre-registered tests."""
+    arms = {arm: seeds for (arm, _), seeds in runs.items()}
+    base = finite_values(arms[BASE], P2)
+    noise, noise_half, n = paired_difference(finite_values(arms["DFPOMin-SharedNoise"], P2), base)
+    noise_holm = FAMILIES.adjusted[PRIMARY][("DFPOMin-SharedNoise", P2)]
+    grpo_tost = FAMILIES.adjusted[PRIMARY_TOST][("GRPO", P2)]
+    shrink = _mean(arms["DFPOMin-SharedNoise"], "tax") / _mean(arms["GRPO"], "tax")
+    margin = dict((key, margin) for key, _, margin in E10_OUTCOMES)[P2]
+    drift = "drifts the policy, at the edge" if noise_holm < ALPHA else "did not measurably drift the policy"
+    grpo = f"did not (within ±{margin:.2f}, TOST)" if grpo_tost < ALPHA else "is inconclusive"
+    unseen = FAMILIES.adjusted[SENSITIVITY][("DFPOMin-SharedNoise", P2)]
+    return [
+        f"* **Uncancelled credit on shared, uncertain tokens {drift}** (forced branching, {n} seeds, pre-registered): zero-mean",
+        f"  noise on that credit moved the entropy of the preference among equivalent solutions by {_signed(noise, 3)} ± {noise_half:.3f} "
+        f"nats (Holm p {format_p(noise_holm)};",
+        f"  seeds the pilot did not see, alone: Holm p {format_p(unseen)}); GRPO's tax, {shrink:.0f}× smaller, {grpo}.",
     ]
 
 
