@@ -22,6 +22,7 @@ BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "experiments"
 CONFIG = "configs/scaffold.yaml"
 TMP = "<tmp>"  # the logger folder in a stored command: a temporary folder of its own per run
+WALL_CLOCK = "perf/"  # the series that time a run: they differ between any two runs
 
 
 # ----------------------------------------------------------------------------------------------- the runs
@@ -331,14 +332,16 @@ def describe_comparison(comparison: dict) -> list[str]:
 
 def replay(path: Path, threads: int | None = None) -> dict:
     """Reruns a stored run's command (same overrides and seed; its stored thread count unless ``threads``) and
-    compares the scalars with the stored ones; returns :func:`compare_scalars`' result with the provenance of both."""
+    compares the scalars with the stored ones, wall-clock timings (``perf/…``) aside; returns :func:`compare_scalars`'
+    result with the provenance of both."""
     record = json.loads(Path(path).read_text())
     command = shlex.split(record["command"])
     stored_provenance = record.get("provenance", {})
     threads = threads or stored_provenance.get("threads")
     ensure_warmstart([record["command"]])
     logged, wall, _ = fit(command, threads)
-    comparison = compare_scalars(record["scalars"], logged)
+    comparison = compare_scalars(*({tag: points for tag, points in scalars.items() if not tag.startswith(WALL_CLOCK)}
+                                   for scalars in (record["scalars"], logged)))
     now = provenance(threads)
     keys = ("commit", "torch", "cpu", "cores", "threads", "python")
     comparison["provenance"] = {key: (stored_provenance.get(key), now.get(key)) for key in keys}

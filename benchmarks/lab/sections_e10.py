@@ -22,7 +22,7 @@ from lab.cells import (
     format_p,
     scientific_cell,
 )
-from lab.runs import E10_SEEDS, E10_SETTING, compare_scalars
+from lab.runs import E10_SEEDS, E10_SETTING, WALL_CLOCK, compare_scalars
 from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
 from lab.summaries import at_matched_movement, matched_movement
 
@@ -38,7 +38,6 @@ SENSITIVITY, SENSITIVITY_TOST = "E10 primary, seeds 3–29 (sensitivity)", "E10 
 F2, F3, F4, F4_TOST = ("E10 F2 learning tax (secondary)", "E10 F3 per-step shared KL (secondary)",
                        "E10 F4 accuracy (secondary)", "E10 F4 accuracy, equivalence (TOST, secondary)")
 F5 = "E10 F5 10-seed arms on P1, P2 (secondary)"
-WALL_CLOCK = "perf/"  # timings: they differ between any two runs
 SENSITIVITY_FIRST_SEED = 3  # seeds 0-2 were seen in the pilot, which chose P1's aggregation and the margins
 HOLM_TESTS = 4  # the primary family's size: its strictest Holm level is alpha / 4
 
