@@ -91,10 +91,10 @@ class PolicyModule(L.LightningModule):
             kept grows with the micro-batch's tokens times the blocks (a block's input per token and block).
             ``"chunks"``: each chunk's whole decoder pass (needs ``max_tokens_per_chunk``); what is kept is
             one final state per completion token, and the recomputation holds one chunk's activations of
-            every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, one
-            more forward pass again; kept memory per token of the chunks' alone, and the recomputation
-            holds one chunk's block inputs and one block's activations: the least memory for long
-            completions on large models (docs/gpu.md gives the bytes per token). False: none.
+            every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, at
+            the cost of one more forward pass; it keeps what ``"chunks"`` keeps, and the recomputation holds
+            one chunk's block inputs and one block's activations: the least memory for long completions on
+            large models (docs/gpu.md gives the bytes per token). False: none.
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
