@@ -50,8 +50,7 @@ def per_token(fields: dict, tokens: int) -> dict[str, float]:
     measured = {}
     for blocks in (1, 2):
         model = Qwen2ForCausalLM(Qwen2Config(**{**fields, "num_hidden_layers": blocks}))
-        if blocks:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         by_block = kept_bytes(model, tokens, None, recompute=False)
         model.gradient_checkpointing_disable()
         measured[blocks] = {"all": kept_bytes(model, tokens, None, recompute=False), "block": by_block,

@@ -123,6 +123,7 @@ def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length:
     ``sum_t prod_{s<t} (1 - p_s)`` follows from EOS's probability ``p_s`` at its positions, for any scale.
     """
     from lit_cancel.decoding import logits_processors, sample_completions
+    from lit_cancel.logprobs import position_ids_from_mask
 
     eos = tokenizer.eos_token_id
     prompts = tokenizer([r["prompt"] for r in AdditionTask(num_digits=3).train_records()[:PROMPTS]], return_tensors="pt", padding=True)
@@ -133,8 +134,9 @@ def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length:
     )
     prompt_length = prompts["input_ids"].shape[1]
     mask = torch.cat([prompts["attention_mask"].repeat_interleave(GROUP, 0), torch.ones_like(sequences[:, prompt_length:])], 1)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.model(input_ids=sequences, attention_mask=mask, position_ids=positions).last_hidden_state[:, prompt_length - 1 : -1]
+    hidden = model.model(
+        input_ids=sequences, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+    ).last_hidden_state[:, prompt_length - 1 : -1]
     weights = model.get_output_embeddings().weight
     others = torch.logsumexp(hidden @ torch.cat([weights[:eos], weights[eos + 1 :]]).T, dim=-1)
     direction = hidden.flatten(0, 1).mean(0)

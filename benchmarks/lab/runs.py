@@ -293,6 +293,11 @@ def _same(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)  # nan equals nan here
 
 
+def without_timings(scalars: dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
+    """``scalars`` without the wall-clock series (``perf/…``), which no rerun repeats."""
+    return {tag: points for tag, points in scalars.items() if not tag.startswith(WALL_CLOCK)}
+
+
 def compare_scalars(stored: dict[str, list[list[float]]], replayed: dict[str, list[list[float]]]) -> dict:
     """Whether two runs' scalars are identical, point for point (steps and values, at the stored precision).
 
@@ -340,8 +345,7 @@ def replay(path: Path, threads: int | None = None) -> dict:
     threads = threads or stored_provenance.get("threads")
     ensure_warmstart([record["command"]])
     logged, wall, _ = fit(command, threads)
-    comparison = compare_scalars(*({tag: points for tag, points in scalars.items() if not tag.startswith(WALL_CLOCK)}
-                                   for scalars in (record["scalars"], logged)))
+    comparison = compare_scalars(without_timings(record["scalars"]), without_timings(logged))
     now = provenance(threads)
     keys = ("commit", "torch", "cpu", "cores", "threads", "python")
     comparison["provenance"] = {key: (stored_provenance.get(key), now.get(key)) for key in keys}

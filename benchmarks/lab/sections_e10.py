@@ -22,7 +22,7 @@ from lab.cells import (
     format_p,
     scientific_cell,
 )
-from lab.runs import E10_SEEDS, E10_SETTING, WALL_CLOCK, compare_scalars
+from lab.runs import E10_SEEDS, E10_SETTING, WALL_CLOCK, compare_scalars, without_timings
 from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
 from lab.summaries import at_matched_movement, matched_movement
 
@@ -180,8 +180,8 @@ def _secondary_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
 
 
 def _compared(scalars: dict[str, list], other: dict[str, list]) -> dict[str, list]:
-    """The series of ``scalars`` that ``other`` logs too, without wall-clock timings (``perf/…``), which no rerun repeats."""
-    return {tag: points for tag, points in scalars.items() if tag in other and not tag.startswith(WALL_CLOCK)}
+    """The series of ``scalars`` that ``other`` logs too, without wall-clock timings."""
+    return {tag: points for tag, points in without_timings(scalars).items() if tag in other}
 
 
 def _identity_line(arms: dict[str, dict[int, dict]]) -> str:
