@@ -6,11 +6,18 @@ after a training pass then stacks its KV cache on top of all the memory the pass
 is the two phases' sum, not the larger. ``malloc_trim`` gives the free pages back (in the middle of the heap
 too, not only at its end); it runs only when at least ``min_free`` bytes are free, so that small steps do not
 pay for touching fresh pages again.
+
+oneDNN, which runs torch's bfloat16 matrix products on a CPU, compiles a kernel for every matrix shape it meets
+and keeps up to 1,024 of them; completion lengths change the shapes every step, so by default that cache grows
+by tens of MiB a step for the first hundreds of steps. :func:`bound_kernel_cache` caps it.
 """
 
 import ctypes
 import ctypes.util
+import os
 from functools import cache
+
+KERNEL_CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 
 
 class _MallInfo2(ctypes.Structure):
@@ -42,4 +49,19 @@ def release_free_heap(min_free: int = 256 * 2**20) -> bool:
     if free is None or free < min_free:
         return False
     _glibc().malloc_trim(0)
+    return True
+
+
+def bound_kernel_cache(capacity: int = 64) -> bool:
+    """Caps oneDNN's cache of compiled CPU kernels at ``capacity`` (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) unless that
+    variable is set already; whether it set it.
+
+    oneDNN reads the variable once, when the process first runs one of its kernels, so lit_cancel calls this
+    before its first model arithmetic (``RLModule``'s constructor, ``precision: auto``'s measurement). 64
+    holds the few dozen shapes that decoding meets at every step (one per matrix and number of rows still
+    decoding).
+    """
+    if KERNEL_CACHE_VARIABLE in os.environ:
+        return False
+    os.environ[KERNEL_CACHE_VARIABLE] = str(capacity)
     return True

@@ -12,6 +12,12 @@ states, not with every block's activations over the whole batch.
 With ``pack=True`` each chunk is instead one row of its sequences laid end to end, positions starting
 again at each, which Hugging Face attention reads as separate sequences (flash-attention attends within
 each sequence only; SDPA and eager mask a block-diagonal attention over the whole chunk).
+
+Every decoder input is widened to a multiple of ``WIDTH_MULTIPLE`` tokens on the right (padding, or in a packed
+row a filler sequence of its own), which no real token attends to. Kernel caches are keyed by matrix shape
+(oneDNN compiles and keeps a kernel per shape for bfloat16 products on a CPU; cuBLAS and ``torch.compile`` choose
+per shape on a GPU), and completion lengths change every step: widths in steps of 8 make the same few dozen
+shapes recur instead of new ones piling up.
 """
 
 import torch
@@ -20,6 +26,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lit_cancel.sharding import is_sharded
+
+WIDTH_MULTIPLE = 8
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -37,6 +45,25 @@ def unpadded_span(attention_mask: Tensor, prompt_length: int) -> tuple[int, int]
     if not columns:
         return prompt_length, prompt_length
     return min(columns[0], prompt_length), max(columns[-1] + 1, prompt_length)
+
+
+def widened(width: int) -> int:
+    """``width`` rounded up to a multiple of ``WIDTH_MULTIPLE``: the width the decoder is run on."""
+    return -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+
+
+def _decoder_states(decoder: nn.Module, ids: Tensor, mask: Tensor | None, positions: Tensor) -> Tensor:
+    """The decoder's last hidden states of ``ids`` (``[B, W]``), run on the rows widened on the right to
+    :func:`widened` ``(W)`` columns: padding where there is a ``mask``, else (a packed row) a filler sequence."""
+    width = ids.shape[1]
+    extra = widened(width) - width
+    if extra:
+        ids = nn.functional.pad(ids, (0, extra))
+        filler_positions = torch.arange(extra, device=positions.device).expand(len(positions), extra)
+        positions = torch.cat([positions, filler_positions], 1)
+        mask = None if mask is None else nn.functional.pad(mask, (0, extra))
+    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+    return hidden[:, :width]
 
 
 def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -84,11 +111,13 @@ def completion_logprobs(
         temperature: logits are divided by it, as they were for sampling.
         chunk_size: number of token positions whose logits are materialised at once.
         max_tokens_per_chunk: when set, the decoder runs on the rows sorted by completion length, in
-            chunks of at most this many tokens (rows x the chunk's widest row; a longer row is a chunk
-            of its own), each chunk without the padding that all its rows share, and the head on
-            completion tokens only. The values, and their gradient, are those of the whole batch.
+            chunks of at most this many tokens (rows x the chunk's widest row, rounded up to a multiple of
+            ``WIDTH_MULTIPLE``; a longer row is a chunk of its own), each chunk without the padding that all
+            its rows share but for that rounding, and the head on completion tokens only. The values, and
+            their gradient, are those of the whole batch.
         pack: with ``max_tokens_per_chunk``, run each chunk (consecutive rows, at most that many tokens in
-            all) as one row of packed sequences, without any padding.
+            all, with the rounding) as one row of packed sequences, without padding but for a filler sequence
+            of up to ``WIDTH_MULTIPLE - 1`` tokens at its end.
         recompute_chunks: with ``max_tokens_per_chunk``, under autograd keep only each chunk's inputs and the
             final states of its completion tokens, and run the chunk's decoder pass again in the backward
             pass (activation checkpointing by chunk).
@@ -102,12 +131,7 @@ def completion_logprobs(
             model, input_ids, attention_mask, prompt_length, temperature, chunk_size, max_tokens_per_chunk, pack, recompute_chunks,
         )
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
+    hidden = _decoder_states(decoder, input_ids, attention_mask, position_ids_from_mask(attention_mask))
     # the state at position t predicts token t + 1
     hidden = hidden[:, prompt_length - 1 : -1]
     targets = input_ids[:, prompt_length:]
@@ -120,8 +144,8 @@ def completion_logprobs(
 
 def length_sorted_chunks(attention_mask: Tensor, prompt_length: int, max_tokens: int) -> list[Tensor]:
     """Row indices of ``attention_mask`` by decreasing completion length, in chunks of at most ``max_tokens``
-    tokens: rows x (longest prompt + longest completion) of the chunk. A row longer than ``max_tokens`` is a
-    chunk of its own."""
+    tokens: rows x (longest prompt + longest completion of the chunk, :func:`widened`). A row longer than
+    ``max_tokens`` is a chunk of its own."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(1).tolist()
     completion_lengths = attention_mask[:, prompt_length:].sum(1)
     order = torch.argsort(completion_lengths, descending=True, stable=True).tolist()
@@ -129,7 +153,7 @@ def length_sorted_chunks(attention_mask: Tensor, prompt_length: int, max_tokens:
     chunks, current, widest_prompt, widest_completion = [], [], 0, 0
     for row in order:
         prompt, completion = max(widest_prompt, prompt_lengths[row]), max(widest_completion, completion_lengths[row])
-        if current and (len(current) + 1) * (prompt + completion) > max_tokens:
+        if current and (len(current) + 1) * widened(prompt + completion) > max_tokens:
             chunks.append(current)
             current, prompt, completion = [], prompt_lengths[row], completion_lengths[row]
         current.append(row)
@@ -140,11 +164,11 @@ def length_sorted_chunks(attention_mask: Tensor, prompt_length: int, max_tokens:
 
 
 def token_budget_chunks(attention_mask: Tensor, max_tokens: int) -> list[Tensor]:
-    """Row indices of ``attention_mask`` in order, in chunks of at most ``max_tokens`` unpadded tokens (a longer row
-    alone)."""
+    """Row indices of ``attention_mask`` in order, in chunks of at most ``max_tokens`` unpadded tokens, :func:`widened`
+    (a longer row alone)."""
     chunks, current, tokens = [], [], 0
     for row, length in enumerate(attention_mask.sum(1).tolist()):
-        if current and tokens + length > max_tokens:
+        if current and widened(tokens + length) > max_tokens:
             chunks.append(current)
             current, tokens = [], 0
         current.append(row)
@@ -209,7 +233,7 @@ def _chunked_logprobs(
 def _padded_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length: int) -> Tensor:
     """The decoder's states that predict the completion tokens of ``ids`` (``[B, P + C]``, completions from ``prompt_length``),
     in row-major order, from the rows as given (padding included)."""
-    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
+    hidden = _decoder_states(decoder, ids, mask, position_ids_from_mask(mask))
     # the state at position t predicts token t + 1
     return hidden[:, prompt_length - 1 : -1][mask[:, prompt_length:].bool()]
 
@@ -218,9 +242,7 @@ def _packed_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length:
     """The decoder's states that predict the completion tokens of ``ids`` (``[B, P + C]``, completions from ``prompt_length``),
     in row-major order, from one row holding the rows' unpadded tokens end to end."""
     kept = mask.bool()
-    hidden = decoder(
-        input_ids=ids[kept][None], attention_mask=None, position_ids=position_ids_from_mask(mask)[kept][None], use_cache=False
-    ).last_hidden_state[0]
+    hidden = _decoder_states(decoder, ids[kept][None], None, position_ids_from_mask(mask)[kept][None])[0]
     # each kept token's index in the packed row; the state of the token before a completion token predicts it
     index = kept.flatten().long().cumsum(0).view(kept.shape) - 1
     predicts = index[:, prompt_length:][kept[:, prompt_length:]] - 1

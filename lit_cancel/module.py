@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
-from lit_cancel.host_memory import release_free_heap
+from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
@@ -128,6 +128,7 @@ class PolicyModule(L.LightningModule):
         compile: bool = False,
     ):
         super().__init__()
+        bound_kernel_cache()
         self.generation_kwargs = checked_generation_kwargs(generation_kwargs or {})
         self.engine = engine if engine is not None else DecodeLoop()
         supported = self.engine.supported_options

@@ -13,7 +13,7 @@ import torch
 
 from lit_cancel import GRPO, AdditionTask, DFPOMin, LoRA, RLModule, RolloutDataModule
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.logprobs import length_sorted_chunks, token_budget_chunks
+from lit_cancel.logprobs import WIDTH_MULTIPLE, length_sorted_chunks, token_budget_chunks, widened
 
 SPLIT_STEP = Path(__file__).parent / "split_step.py"
 BUDGET = 40  # tokens per decoder chunk: several chunks of a few rows each in the batches below
@@ -101,9 +101,15 @@ def test_chunks_keep_to_the_budget_and_cover_every_row_once(tiny_model_path):
     model.get_output_embeddings().register_forward_hook(lambda _, args, out: head_positions.append(args[0].shape[0]))
     module.token_logprobs(batch.input_ids, batch.attention_mask, batch.prompt_length)
     assert [len(mask) for mask in decoder_masks] == [len(rows) for rows in chunks]
+    spans = []
     for mask in decoder_masks:
         assert mask.numel() <= BUDGET or len(mask) == 1
-        assert mask[:, 0].any() and mask[:, -1].any()  # no column that every row of the chunk pads
+        # no column that every row of the chunk pads, but for those that round its width up to a multiple of 8
+        real = mask.bool().any(0)
+        span = int(real.nonzero().max()) + 1
+        assert real[0] and mask.shape[1] == widened(span) and mask.shape[1] % WIDTH_MULTIPLE == 0
+        spans.append(span)
+    assert any(span % WIDTH_MULTIPLE for span in spans)  # some chunk was widened
     assert sum(head_positions) == lengths.sum()
 
 
@@ -113,17 +119,22 @@ def test_packed_rows_keep_to_the_budget_and_the_decoder_sees_one_row_without_pad
     chunks = token_budget_chunks(batch.attention_mask, BUDGET)
     lengths = batch.attention_mask.sum(1)
     assert torch.cat(chunks).tolist() == list(range(len(batch)))
-    assert all(lengths[rows].sum() <= BUDGET or len(rows) == 1 for rows in chunks)
+    assert all(widened(int(lengths[rows].sum())) <= BUDGET or len(rows) == 1 for rows in chunks)
     assert [len(rows) for rows in token_budget_chunks(batch.attention_mask, 1)] == [1] * len(batch)
 
     calls = []
     module.policy.model.get_decoder().register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs), with_kwargs=True)
     module.token_logprobs(batch.input_ids, batch.attention_mask, batch.prompt_length)
     assert len(calls) == len(chunks)
+    fillers = 0
     for call, rows in zip(calls, chunks):
-        assert call["attention_mask"] is None and call["input_ids"].shape == (1, int(lengths[rows].sum()))
-        # positions start again at each sequence: how attention tells the packed sequences apart
-        assert (call["position_ids"][0] == 0).sum() == len(rows)
+        tokens = int(lengths[rows].sum())
+        assert call["attention_mask"] is None and call["input_ids"].shape == (1, widened(tokens))
+        # positions start again at each sequence: how attention tells the packed sequences apart; a filler sequence
+        # after them widens the row to a multiple of 8
+        fillers += widened(tokens) > tokens
+        assert (call["position_ids"][0] == 0).sum() == len(rows) + (widened(tokens) > tokens)
+    assert fillers
     with pytest.raises(ValueError, match="pack_sequences needs max_tokens_per_chunk"):
         RLModule(tiny_model_path, max_tokens_per_chunk=None, pack_sequences=True)
 
@@ -244,3 +255,8 @@ def test_compiled_decoder_gives_the_eager_gradient_and_serves_rollouts_and_refer
     assert any(g.abs().sum() > 0 for g in expected.values())
     for name, grad in expected.items():
         torch.testing.assert_close(gradient[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_widths_round_up_to_multiples_of_eight():
+    assert WIDTH_MULTIPLE == 8
+    assert [widened(width) for width in (0, 1, 7, 8, 9, 16, 17)] == [0, 8, 8, 8, 16, 16, 24]
