@@ -9,7 +9,7 @@ pay for touching fresh pages again.
 
 oneDNN, which runs torch's bfloat16 matrix products on a CPU, compiles a kernel for every matrix shape it meets
 and keeps up to 1,024 of them; completion lengths change the shapes every step, so by default that cache grows
-by tens of MiB a step for the first hundreds of steps. :func:`bound_kernel_cache` caps it.
+over the first few dozen steps (by about 200 MiB for a 0.8 M-parameter model). :func:`bound_kernel_cache` caps it.
 """
 
 import ctypes
