@@ -170,7 +170,7 @@ def readme_lines(results: dict) -> list[str]:
     ]
 
 
-P2 = "preference_entropy"  # E10's preference drift
+P2, _, P2_MARGIN = E10_OUTCOMES[1]  # E10's preference drift: its key, label and equivalence margin
 
 
 def e10_readme_lines(runs: dict) -> list[str]:
@@ -181,9 +181,8 @@ def e10_readme_lines(runs: dict) -> list[str]:
     noise_holm = FAMILIES.adjusted[PRIMARY][("DFPOMin-SharedNoise", P2)]
     grpo_tost = FAMILIES.adjusted[PRIMARY_TOST][("GRPO", P2)]
     shrink = _mean(arms["DFPOMin-SharedNoise"], "tax") / _mean(arms["GRPO"], "tax")
-    margin = dict((key, margin) for key, _, margin in E10_OUTCOMES)[P2]
     drift = "drifts the policy, at the edge" if noise_holm < ALPHA else "did not measurably drift the policy"
-    grpo = f"did not (within ±{margin:.2f}, TOST)" if grpo_tost < ALPHA else "is inconclusive"
+    grpo = f"did not (within ±{P2_MARGIN:.2f}, TOST)" if grpo_tost < ALPHA else "is inconclusive"
     unseen = FAMILIES.adjusted[SENSITIVITY][("DFPOMin-SharedNoise", P2)]
     return [
         f"* **Uncancelled credit on shared, uncertain tokens {drift}** (forced branching, {n} seeds, pre-registered): zero-mean",
