@@ -250,27 +250,54 @@ def _row_lines(file: Path) -> list[str]:
     return []
 
 
-def _unreadable_because(file: Path, error: Exception) -> str:
-    """Why ``datasets`` could not read ``file``: the first JSON line (or document) that does not parse, where there is one."""
+def _json_kind(value: object) -> str:
+    """How a JSON value that is not an object is named in messages: "a JSON array", "a JSON number", ..."""
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return f"a JSON {kinds[type(value)]}" if type(value) in kinds else "JSON null"
+
+
+def _unreadable_because(file: Path, error: Exception, fields: tuple[str, str]) -> str:
+    """Why ``datasets`` could not read ``file``: the first JSON line (or document) that does not parse, or the first row
+    that is not an object with text in ``fields``, where there is one."""
     if file.suffix == ".parquet":
         return f"is not a readable parquet file ({error})"
     text = file.read_text(errors="replace")
     if not text.strip():
         return "is empty; expected one JSON object per line"
-    if text.lstrip().startswith("["):
-        try:
-            if not json.loads(text):
-                return "holds an empty list; expected a list of JSON objects"
-        except json.JSONDecodeError as bad:
+    expected = f"expected JSON objects with the fields {fields[0]!r} and {fields[1]!r}"
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as bad:
+        if file.suffix == ".json" and text.lstrip().startswith("["):
             return f"is not valid JSON: line {bad.lineno} column {bad.colno}: {bad.msg}"
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as bad:
-                return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}); expected one JSON object per line"
+        document = None
+    if isinstance(document, list):
+        if not document:
+            return "holds an empty list; expected a list of JSON objects"
+        rows = [(f"row {number}", row) for number, row in enumerate(document, start=1)]
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((f"line {number}", json.loads(line)))
+                except json.JSONDecodeError as bad:
+                    return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}); expected one JSON object per line"
+    for where, row in rows:
+        if not isinstance(row, dict):
+            return f"{where} is {_json_kind(row)}, not an object; {expected}"
+        if problem := _field_problem(row, fields):
+            return f"{where} {problem}"
     cause = error.__cause__ or error
     return f"could not be read ({type(cause).__name__}: {cause})"
+
+
+def _field_problem(row: dict, fields: tuple[str, ...]) -> str | None:
+    """What is wrong with the question and answer fields of one row, or None when both hold text."""
+    for field in fields:
+        if field in row and not (isinstance(row[field], str) and row[field].strip()):
+            return f"field {field!r} is {row[field]!r}; expected non-empty text"
+    return None
 
 
 class MathWordTask(Task):
@@ -326,6 +353,8 @@ class MathWordTask(Task):
         import datasets
 
         file = Path(path)
+        if file.is_dir():
+            raise ValueError(f"MathWordTask: data file {path!r} is a folder; name a .jsonl, .json or .parquet file in it")
         if not file.is_file():
             raise FileNotFoundError(f"MathWordTask: data file {path!r} does not exist")
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
@@ -336,7 +365,8 @@ class MathWordTask(Task):
         try:
             rows = datasets.load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:
-            raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error)}") from error
+            fields = (self.question_field, self.answer_field)
+            raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error, fields)}") from error
         if len(rows) == 0:
             raise ValueError(f"MathWordTask: data file {path!r} has no rows")
         missing = [f for f in (self.question_field, self.answer_field) if f not in rows.column_names]
@@ -349,6 +379,8 @@ class MathWordTask(Task):
         sources = [f"{path!r} {lines[index] if index < len(lines) else f'row {index + 1}'}" for index in range(len(rows))]
         records = []
         for index, row in enumerate(rows):
+            if problem := _field_problem({self.question_field: row[self.question_field]}, (self.question_field,)):
+                raise ValueError(f"MathWordTask: {sources[index]} {problem}")
             answer = row[self.answer_field]
             number = parse_final_number(answer) if isinstance(answer, str) and "####" in answer else None
             if number is None:

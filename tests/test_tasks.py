@@ -160,3 +160,38 @@ def test_math_word_task_names_unreadable_file(tmp_path, name, text, reason):
     with pytest.raises(ValueError) as refusal:
         MathWordTask(train_file=str(path), val_file=str(path))
     assert str(refusal.value) == f"MathWordTask: data file {str(path)!r} {reason}"
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("arrays.jsonl", '["q", "#### 1"]\n["q", "#### 2"]\n',
+         "line 1 is a JSON array, not an object; expected JSON objects with the fields 'question' and 'answer'"),
+        ("rows.jsonl", '{"question": "q", "answer": "#### 1"}\n\n7\n',
+         "line 3 is a JSON number, not an object; expected JSON objects with the fields 'question' and 'answer'"),
+        ("rows.json", '[{"question": "q", "answer": "#### 1"}, ["q", "#### 2"]]',
+         "row 2 is a JSON array, not an object; expected JSON objects with the fields 'question' and 'answer'"),
+    ],
+)
+def test_math_word_task_names_a_row_that_is_not_an_object(tmp_path, name, text, reason):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as refusal:
+        MathWordTask(train_file=str(path), val_file=str(path))
+    assert str(refusal.value) == f"MathWordTask: data file {str(path)!r} {reason}"
+
+
+@pytest.mark.parametrize("questions", [[5, 6], ["what is 2+3?", 6], ["what is 2+3?", ""]])
+def test_math_word_task_names_a_question_that_is_not_text(tmp_path, questions):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": question, "answer": "#### 5"}) + "\n" for question in questions))
+    bad = next(number for number, question in enumerate(questions, start=1) if not (isinstance(question, str) and question))
+    with pytest.raises(ValueError) as refusal:
+        MathWordTask(train_file=str(path), val_file=str(path))
+    assert str(refusal.value) == f"MathWordTask: '{path}' line {bad} field 'question' is {questions[bad - 1]!r}; expected non-empty text"
+
+
+def test_math_word_task_says_a_folder_is_a_folder(tmp_path):
+    with pytest.raises(ValueError) as refusal:
+        MathWordTask(train_file=str(tmp_path))
+    assert str(refusal.value) == f"MathWordTask: data file {str(tmp_path)!r} is a folder; name a .jsonl, .json or .parquet file in it"
