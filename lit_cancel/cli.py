@@ -40,6 +40,7 @@ from lit_cancel.runs import checkpoint_metadata, prepare_run
 from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
+COMMANDS = ("fit", "validate", "export", "audit-objective", "serve", "diagnose")
 OTHER_COMMANDS = (
     "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
     "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
@@ -83,18 +84,24 @@ def last_checkpoint_written(trainer) -> str | None:
     return str(max(written, key=lambda path: path.stat().st_mtime)) if written else None
 
 
-def yaml_error_location(message: str, args: list[str]) -> str:
-    """``message`` with jsonargparse's ``"<unicode string>"`` replaced by the config file whose YAML does not parse."""
+def config_file_problem(message: str, args: list[str]) -> str:
+    """What is wrong with the config file behind a jsonargparse ``message`` that does not name it: a YAML error at its
+    line and column (for ``"<unicode string>"``), or a file that is empty or not a mapping (for "Unexpected config")."""
     configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     configs += [b for a, b in zip(args, args[1:]) if a == "--config"]
     for config in configs:
         try:
-            yaml.safe_load(Path(config).read_text())
+            options = yaml.safe_load(Path(config).read_text())
         except yaml.MarkedYAMLError as error:
             mark = error.problem_mark or error.context_mark
             return f"{config} line {mark.line + 1} column {mark.column + 1}: {error.problem or error.context}"
         except (OSError, yaml.YAMLError):
             continue
+        if options is None:
+            return f"{config} is empty: a config is a YAML mapping of options, like configs/quickstart.yaml"
+        if not isinstance(options, dict):
+            kind = "list" if isinstance(options, list) else type(options).__name__
+            return f"{config} holds a YAML {kind}, not a mapping of options (option: value lines, like configs/quickstart.yaml)"
     return message
 
 
@@ -249,8 +256,8 @@ class LitCancelCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as error:
             message = explain(error)
-            if "<unicode string>" in message:
-                message = yaml_error_location(message, sys.argv[1:] if args is None else list(args))
+            if "<unicode string>" in message or message.startswith("Unexpected config"):
+                message = config_file_problem(message, sys.argv[1:] if args is None else list(args))
             raise ConfigError(message) from error
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -395,6 +402,12 @@ def main() -> None:
     if not debugging():
         threading.excepthook = quiet_log_writer_threads(excepthook)
     try:
+        if not command:
+            raise ConfigError(f"lit-cancel needs a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} "
+                              "(lit-cancel COMMAND --help lists its options)")
+        if command[0] not in COMMANDS and command[0] not in ("-h", "--help"):
+            raise ConfigError(f"unknown command {command[0]!r}: the commands are {', '.join(COMMANDS[:-1])} and {COMMANDS[-1]} "
+                              "(lit-cancel COMMAND --help lists its options)")
         if command == ["audit-objective"]:
             sys.exit(audit.main(sys.argv[2:]))
         if command == ["diagnose"]:

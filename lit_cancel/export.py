@@ -10,6 +10,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_cancel.cli import ConfigError, LitCancelCLI, check_checkpoint, checkpoint_parameter_names
+from lit_cancel.flags import spelled_as_flags
 from lit_cancel.runs import try_writing_in
 
 
@@ -41,8 +42,12 @@ def export(argv: list[str]) -> None:
     parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
     parser.add_argument("--output_dir", required=True, help="folder for save_pretrained: new, or empty")
-    parser.add_argument("--overwrite", action="store_true", help="write into an --output_dir that already holds files")
-    args = parser.parse_args(argv)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into an --output_dir that already holds files (or --overwrite true, as fit takes it)")
+    try:
+        args = parser.parse_args(spelled_as_flags(argv, {"--overwrite"}))
+    except argparse.ArgumentTypeError as error:
+        raise ConfigError(str(error)) from error
     check_output_dir(Path(args.output_dir), args.overwrite)
     checkpoint_parameter_names(args.ckpt_path)
     with warnings.catch_warnings():

@@ -1,3 +1,4 @@
+import argparse
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from lit_cancel import cli
 from lit_cancel.checkpointing import COMPLETE_MARKER
 from lit_cancel.cli import run_cli as main
+from lit_cancel.flags import spelled_as_flags
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -181,7 +183,51 @@ def test_top_level_optimizer_in_a_config_file_is_refused(tmp_path, monkeypatch, 
 
 def test_test_subcommand_is_not_offered(monkeypatch, capsys):
     lines = console_error(monkeypatch, capsys, "test", "--config", str(CONFIGS / "quickstart.yaml"))
-    assert lines[-1] == "error: argument subcommand: invalid choice: 'test' (choose from 'fit', 'validate')"
+    assert lines[-1] == ("error: unknown command 'test': the commands are fit, validate, export, audit-objective, serve and diagnose "
+                         "(lit-cancel COMMAND --help lists its options)")
+
+
+def test_no_command_names_every_command(monkeypatch, capsys):
+    assert console_error(monkeypatch, capsys) == [
+        "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)",
+        "error: lit-cancel needs a command: fit, validate, export, audit-objective, serve or diagnose (lit-cancel COMMAND --help lists its options)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("", "is empty: a config is a YAML mapping of options, like configs/quickstart.yaml"),
+        ("# only a comment\n", "is empty: a config is a YAML mapping of options, like configs/quickstart.yaml"),
+        ("- a\n- b\n", "holds a YAML list, not a mapping of options (option: value lines, like configs/quickstart.yaml)"),
+        ("fit\n", "holds a YAML str, not a mapping of options (option: value lines, like configs/quickstart.yaml)"),
+    ],
+)
+def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path, monkeypatch, capsys, text, problem):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    assert console_error(monkeypatch, capsys, "fit", "--config", str(config))[-1] == f"error: {config} {problem}"
+
+
+@pytest.mark.parametrize(
+    "argv, spelled",
+    [
+        (["--overwrite"], ["--overwrite"]),
+        (["--overwrite", "true", "--x", "1"], ["--overwrite", "--x", "1"]),
+        (["--overwrite=True"], ["--overwrite"]),
+        (["--overwrite", "false", "run"], ["run"]),
+        (["--overwrite=no"], []),
+        (["--overwrite", "runs/a"], ["--overwrite", "runs/a"]),
+        (["--json", "yes"], ["--json", "yes"]),
+    ],
+)
+def test_on_off_options_take_fits_spelling(argv, spelled):
+    assert spelled_as_flags(argv, {"--overwrite"}) == spelled
+
+
+def test_an_on_off_option_with_another_value_is_named():
+    with pytest.raises(argparse.ArgumentTypeError, match="--overwrite: expected true or false, got 'maybe'"):
+        spelled_as_flags(["--overwrite=maybe"], {"--overwrite"})
 
 
 def test_data_sizes_are_checked_before_the_first_validation(tmp_path, monkeypatch, capsys):
@@ -293,7 +339,8 @@ def test_export_refuses_a_file_or_a_folder_with_files_unless_overwrite(tmp_path,
         f"error: --output_dir {used} is not empty: name a new or empty folder, or add --overwrite to write over its files"
     )
     assert sorted(p.name for p in used.iterdir()) == ["notes.txt"]
-    monkeypatch.setattr(sys, "argv", ["lit-cancel", *export, f"--output_dir={used}", "--overwrite"])
+    assert console_error(monkeypatch, capsys, *export, f"--output_dir={used}", "--overwrite=false")[-1].endswith("or add --overwrite to write over its files")
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *export, f"--output_dir={used}", "--overwrite", "true"])  # fit's spelling
     cli.main()
     assert (used / "config.json").is_file() and (used / "notes.txt").read_text() == "kept"
     assert AutoModelForCausalLM.from_pretrained(used).num_parameters() > 0
