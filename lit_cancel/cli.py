@@ -445,6 +445,11 @@ def main() -> None:
             raise
         sys.stderr.write(f"lit-cancel: {stop}\n")
         sys.exit(stop.exit_code)
+    except KeyboardInterrupt:  # export, audit-objective, diagnose: nothing of theirs needs saving
+        if debugging():
+            raise
+        sys.stderr.write(f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)\n")
+        sys.exit(128 + signal.SIGINT)
     finally:
         threading.excepthook = excepthook
 

@@ -130,6 +130,30 @@ def test_ctrl_c_before_the_run_starts_says_there_is_nothing_to_resume(tmp_path, 
     assert (code, lines[-1]) == (130, "lit-cancel: stopped by Ctrl-C (SIGINT) before the run started: nothing to resume")
 
 
+def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path):
+    """SIGINT while torch and Lightning are imported, before any of the command runs: the documented line, exit 130."""
+    script = "import sys; from lit_cancel import console; print('loading', flush=True); sys.argv = ['lit-cancel', 'fit', '--help']; console.main()"
+    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    run = subprocess.Popen([sys.executable, "-c", script], env=environment, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, preexec_fn=default_interrupt)
+    assert run.stdout.readline() == "loading\n"
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=120)
+    assert (run.returncode, stderr) == (130, "lit-cancel: stopped by Ctrl-C (SIGINT) before the run started: nothing to resume\n")
+    assert "usage" not in stdout  # the import was interrupted: --help never ran
+
+
+@pytest.mark.parametrize("command", [["diagnose", "runs"], ["audit-objective", "GRPO"]])
+def test_ctrl_c_in_another_command_is_one_line(monkeypatch, capsys, command):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lit_cancel.diagnose.main", interrupted)
+    monkeypatch.setattr("lit_cancel.audit.main", interrupted)
+    code, lines = console(monkeypatch, capsys, *command)
+    assert (code, lines) == (130, [f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)"])
+
+
 def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
     fsync, last_writes = os.fsync, []
 
