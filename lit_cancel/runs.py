@@ -16,9 +16,11 @@ import torch
 from jsonargparse import Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.fabric.utilities.rank_zero import _get_rank
+from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_info
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lit_cancel.checkpointing import incomplete_folder
 
 PLAIN_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
@@ -194,7 +196,9 @@ def try_writing_in(folder: Path) -> None:
 
 
 def newest_last_checkpoint(config: Namespace) -> str:
-    """The newest ``last.ckpt`` among the config's runs; ValueError when there is none."""
+    """The checkpoint ``--ckpt_path last`` resumes: the newest ``last.ckpt`` among the config's runs, or the newest whole
+    checkpoint of another name when it is newer (a run killed while it wrote ``last.ckpt`` keeps its step checkpoint);
+    ValueError when there is none."""
     logger, searched = _logger(config), {}
     for callback in _checkpoint_callbacks(config).values():
         if callback.init_args.get("dirpath"):
@@ -205,11 +209,24 @@ def newest_last_checkpoint(config: Namespace) -> str:
         elif config.trainer.get("logger") is False:
             folder = Path(config.trainer.get("default_root_dir") or ".") / "checkpoints"
             searched[str(folder)] = [folder]
-    found = [path for folders in searched.values() for folder in folders for path in _last_checkpoints(folder)]
-    if not found:
+    folders = [folder for listed in searched.values() for folder in listed]
+    lasts = [path for folder in folders for path in _last_checkpoints(folder)]
+    whole = [path for folder in folders for path in _whole_checkpoints(folder)]
+    if not whole:
         where = " or ".join(searched) or "no checkpoint folder: the config has no ModelCheckpoint"
-        raise ValueError(f"--ckpt_path last: no earlier run of this config to resume (no last.ckpt in {where})")
-    return str(max(found, key=lambda path: path.stat().st_mtime))
+        raise ValueError(f"--ckpt_path last: no earlier run of this config to resume (no checkpoint in {where})")
+    newest = max(whole, key=lambda path: (path.stat().st_mtime, path in lasts))
+    if newest not in lasts:
+        rank_zero_info(f"--ckpt_path last: resuming {newest}, the newest whole checkpoint of this config's runs"
+                       + (f", which is newer than {max(lasts, key=lambda path: path.stat().st_mtime)}" if lasts else " (no last.ckpt)"))
+    return str(newest)
+
+
+def _whole_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints in ``folder`` that a run finished writing: ``.ckpt`` files (each is written under a temporary
+    name, then renamed), and sharded ``.ckpt`` folders marked complete."""
+    return [path for path in folder.glob("*.ckpt")
+            if not path.name.startswith(".") and (path.is_file() or (path.is_dir() and incomplete_folder(path) is None))]
 
 
 def checkpoint_metadata(checkpoint: Path) -> dict:

@@ -368,13 +368,32 @@ def test_ckpt_path_last_resumes_the_latest_run_of_the_config(tmp_path, monkeypat
     config = str(write_config(tmp_path))
     code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--ckpt_path=last")
     assert code == 2
-    assert lines[-1] == f"error: --ckpt_path last: no earlier run of this config to resume (no last.ckpt in {tmp_path / 'runs' / 'tiny' / '*' / 'checkpoints'})"
+    assert lines[-1] == f"error: --ckpt_path last: no earlier run of this config to resume (no checkpoint in {tmp_path / 'runs' / 'tiny' / '*' / 'checkpoints'})"
     run_cli(["fit", "--config", config])
     run_cli(["fit", "--config", config, "--trainer.max_steps=1"])  # version_1, the newest
     resumed = run_cli(["fit", "--config", config, "--trainer.max_steps=3", "--ckpt_path=last"])
     assert resumed.trainer.ckpt_path == str(checkpoints(tmp_path, version=1) / "last.ckpt")
     assert saved_step(checkpoints(tmp_path, version=1) / "last.ckpt") == 3
     assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0", "version_1"]
+
+
+@pytest.mark.parametrize("last_ckpt", ["lost in its first write", "older"])
+def test_ckpt_path_last_takes_the_newest_whole_checkpoint_when_last_ckpt_is_missing_or_older(tmp_path, caplog, last_ckpt):
+    config = str(write_config(tmp_path))
+    run_cli(["fit", "--config", config])
+    folder = checkpoints(tmp_path)
+    if last_ckpt == "older":  # killed while it wrote last.ckpt at step 2: the step-1 one is kept
+        older = (folder / "epoch=0-step=2.ckpt").stat().st_mtime - 60
+        os.utime(folder / "last.ckpt", (older, older))
+        expected = f"which is newer than {folder / 'last.ckpt'}"
+    else:  # what kill -9 leaves during the first write of last.ckpt: its temporary file
+        (folder / "last.ckpt").rename(folder / f".last.ckpt.999999@{_host()}.abcdefgh.tmp")
+        expected = "(no last.ckpt)"
+    resumed = run_cli(["fit", "--config", config, "--trainer.max_steps=3", "--ckpt_path=last"])
+    assert resumed.trainer.ckpt_path == str(folder / "epoch=0-step=2.ckpt")
+    assert saved_step(folder / "last.ckpt") == 3
+    assert f"--ckpt_path last: resuming {folder / 'epoch=0-step=2.ckpt'}, the newest whole checkpoint of this config's runs" in caplog.text
+    assert expected in caplog.text
 
 
 @pytest.mark.parametrize("shared", ["version", "dirpath"])
