@@ -36,7 +36,7 @@ from lit_cancel.log_errors import log_write_error, quiet_log_writer_threads, rep
 from lit_cancel.objectives import Objective
 from lit_cancel.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import checkpoint_metadata, prepare_run
+from lit_cancel.runs import RunFolderLock, checkpoint_metadata, prepare_run
 from lit_cancel.sharding import check_strategy, shards
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
@@ -212,14 +212,17 @@ class LitCancelCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         self.reserved_folders: list[Path] = []  # the folders prepare_run made for a new fit, innermost first
+        self.run_folder_lock = RunFolderLock()  # held while fit runs
         kwargs.setdefault("trainer_class", Trainer)  # Lightning's, with trainer.precision: auto
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
+            self.run_folder_lock.release(remove_files=bool(self.reserved_folders))
             for folder in self.reserved_folders:
                 with suppress(OSError):
                     folder.rmdir()  # only when empty: nothing was run in it
             raise
+        self.run_folder_lock.release()
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -264,6 +267,8 @@ class LitCancelCLI(LightningCLI):
             try:
                 check_strategy(self.config[subcommand].trainer.strategy)  # before the Trainer, which refuses FSDP on a CPU
                 self.reserved_folders = prepare_run(self.config[subcommand], subcommand)
+                if subcommand == "fit":
+                    self.run_folder_lock.take(self.config[subcommand])
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -280,7 +285,10 @@ class LitCancelCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             # a signal ends Lightning's loops with SIGTERMException, a SystemExit of status 0: main() tells it as it was
-            with stops_reported(self.trainer):
+            with stops_reported(self.trainer), warnings.catch_warnings():
+                if self.config[subcommand].get("ckpt_path") or self.config[subcommand].get("overwrite"):
+                    # the folder holds the run's own checkpoints, or the user asked to write over them
+                    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
                 super()._run_subcommand(subcommand)
         except _RUN_ERRORS as error:
             if logs := log_write_error(self.trainer, error):
@@ -386,6 +394,12 @@ def debugging() -> bool:
     return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
 
 
+def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """A warning as the command prints it: ``warning: message`` on one line, without the file and the source line."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"warning{kind}: {message}\n"
+
+
 def quiet_dependencies() -> None:
     """Drops what the libraries under the command print on every run and that a user can do nothing about."""
     # Lightning 2.6 flattens every dataloader with torch's LeafSpec, which torch 2.13 deprecates in a FutureWarning
@@ -398,9 +412,10 @@ def main() -> None:
     """The console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective``, ``serve``, ``diagnose``."""
     quiet_dependencies()
     command = sys.argv[1:2]
-    excepthook = threading.excepthook
+    excepthook, formatwarning = threading.excepthook, warnings.formatwarning
     if not debugging():
         threading.excepthook = quiet_log_writer_threads(excepthook)
+        warnings.formatwarning = one_line_warning
     try:
         if not command:
             raise ConfigError(f"lit-cancel needs a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} "
@@ -451,7 +466,7 @@ def main() -> None:
         sys.stderr.write(f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)\n")
         sys.exit(128 + signal.SIGINT)
     finally:
-        threading.excepthook = excepthook
+        threading.excepthook, warnings.formatwarning = excepthook, formatwarning
 
 
 if __name__ == "__main__":

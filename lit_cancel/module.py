@@ -216,10 +216,9 @@ class PolicyModule(L.LightningModule):
         """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
         its decoder with ``compile``."""
         self.policy = shard(self.policy, self.trainer.strategy, str(self.trainer.precision))
-        if self.compile:
+        if self.compile and compile_decoder(self.policy):  # once, though each of validate and fit configures the model
             rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "
                            "validation); on a CPU each can take a minute before the run goes on at full speed")
-            compile_decoder(self.policy)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         records, size = batch["records"], len(batch["records"])
@@ -276,15 +275,17 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
 
 
-def compile_decoder(root: ModelRoot) -> None:
-    """``torch.compile`` the decoder of ``root``'s model in place (once), for shapes that vary."""
+def compile_decoder(root: ModelRoot) -> bool:
+    """``torch.compile`` the decoder of ``root``'s model in place, for shapes that vary; False when it already was."""
     if is_sharded(root):
         raise ValueError("model.init_args.compile: a sharded model's decoder is not compiled; use compile: false with this strategy")
     decoder = root.model.get_decoder()
-    if getattr(decoder, "_compiled_call_impl", None) is None:
-        # inductor's vectorised C++ kernels (torch 2.13) corrupted the heap with AVX-512 and gave NaN logits with AVX2
-        # on a decoder that ran with and then without its KV cache; scalar kernels decoded as fast (0.23 s vs 0.30 s)
-        decoder.compile(dynamic=True, options={"cpp.vec_isa_ok": False})
+    if getattr(decoder, "_compiled_call_impl", None) is not None:
+        return False
+    # inductor's vectorised C++ kernels (torch 2.13) corrupted the heap with AVX-512 and gave NaN logits with AVX2
+    # on a decoder that ran with and then without its KV cache; scalar kernels decoded as fast (0.23 s vs 0.30 s)
+    decoder.compile(dynamic=True, options={"cpp.vec_isa_ok": False})
+    return True
 
 
 class RLModule(PolicyModule):

@@ -19,8 +19,6 @@ from typing_extensions import override
 DEFAULT_METRICS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "val_acc": "val/accuracy"}
 # characters of the bar itself
 BAR_WIDTH = 12
-# a metric left out while it equals the other: with 0/1 rewards the accuracy is the mean reward
-EQUAL_WITH_01_REWARDS = {"rollout/accuracy": "rollout/reward_mean"}
 
 
 class StepProgressBar(RichProgressBar):
@@ -31,7 +29,6 @@ class StepProgressBar(RichProgressBar):
     done (``trainer.global_step``, so a resumed run continues its count) out of the steps the
     run will make (``max_steps``, or what ``max_epochs`` amounts to), and after it the latest
     values of the logged metrics in ``metrics``, then anything logged with ``prog_bar=True``.
-    ``rollout/accuracy`` is left out while it equals ``rollout/reward_mean`` (as with 0/1 rewards).
     While validation runs within fit, the held-out metrics (``val/...``, ``val_acc``) read
     ``running``. Validation rows are Lightning's. The columns (description, a short bar, the time
     remaining, the metrics) fit an 80-column terminal with the default metrics.
@@ -125,16 +122,12 @@ class StepProgressBar(RichProgressBar):
         for label, name in self.metrics.items():
             if trainer.validating and trainer.state.fn == "fit" and name.startswith("val/"):
                 shown[label] = "running"
-            elif name in logged and not (name in EQUAL_WITH_01_REWARDS and _equal(logged, name, EQUAL_WITH_01_REWARDS[name])):
+            elif name in logged:
                 shown[label] = float(logged[name])
         for name, value in super().get_metrics(trainer, pl_module).items():
             if name != "v_num" and name not in self.metrics.values():
                 shown[name] = value
         return shown
-
-
-def _equal(logged: dict, name: str, other: str) -> bool:
-    return other in logged and float(logged[name]) == float(logged[other])
 
 
 class _EvaluationBatchesColumn(BatchesProcessedColumn):

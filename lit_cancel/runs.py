@@ -6,10 +6,13 @@ naming the option for a config that cannot be run safely.
 """
 
 import errno
+import fcntl
 import importlib
 import os
 import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +30,9 @@ RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
 OVERWRITE_OPTION = "--overwrite true"
 # the run folder reserved by the first process of a new fit, for the processes of its other ranks
 RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
+# held (flock) by a fit while it runs, in each folder it writes; it names the process. The lock goes with the process,
+# kill -9 included, so a file left behind holds nothing.
+LOCK_FILE = ".lit-cancel.lock"
 
 
 def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
@@ -59,6 +65,63 @@ def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
     else:
         refuse_used_folder(config)
     return reserve_logger_version(config)
+
+
+class RunFolderLock:
+    """The lock a ``fit`` holds on its run's folder (its logger's ``version_N`` folder, else its checkpoint folder), so that
+    a second process that would write into it (a second resume of the same ``last.ckpt``) is refused.
+
+    Only a run's first process locks (see :func:`_first_process`); :meth:`release` unlocks (at the end of the run).
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[Path, int] = {}
+
+    def take(self, config: Namespace) -> None:
+        """Locks the folder of the run of ``config``; ValueError naming the folder and the live run that holds it."""
+        if not _first_process():
+            return
+        for option, folder in _written_folders(config).items():
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / LOCK_FILE
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = path.read_text().strip() or "another process"
+                os.close(descriptor)
+                self.release()
+                raise ValueError(
+                    f"{option}: {folder} is in use by a run that is still going ({holder}); let it finish or stop it, "
+                    "or start a new run (without --ckpt_path) in a folder of its own"
+                ) from None
+            os.ftruncate(descriptor, 0)
+            os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            self.held[folder] = descriptor
+
+    def release(self, remove_files: bool = False) -> None:
+        """Unlocks every folder held; ``remove_files`` also removes the lock files (for folders about to be removed)."""
+        for folder, descriptor in self.held.items():
+            if remove_files:
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+            os.close(descriptor)
+        self.held = {}
+
+
+def _first_process() -> bool:
+    """Whether this is a run's first process: global rank 0 (or none yet) on the first node."""
+    # a node's first process has LOCAL_RANK 0 or none; NODE_RANK (GROUP_RANK under torchrun) tells the first node's
+    return _get_rank() in (None, 0) and int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0))) == 0
+
+
+def _written_folders(config: Namespace) -> dict[str, Path]:
+    """The folder that holds a run of ``config``, by the option that sets it: its logger's local ``version_N`` folder
+    where the version is known, else its first checkpoint folder (none when it has neither)."""
+    logger = _logger(config)
+    if logger is not None and logger.version is not None and _is_local_file_protocol(str(logger.save_dir or ".")):
+        return {"trainer.logger.init_args.version": _runs_folder(logger) / _version_folder(logger.version)}
+    folders = {option: folder for option, folder in _checkpoint_folders(config, None).items() if _is_local_file_protocol(str(folder))}
+    return dict(list(folders.items())[:1])
 
 
 def _checkpoint_callbacks(config: Namespace) -> dict[str, Namespace]:
@@ -121,8 +184,7 @@ def reserve_logger_version(config: Namespace) -> list[Path]:
     if logger is None:
         return []
     runs = _runs_folder(logger)
-    # a node's first process has LOCAL_RANK 0 or none; NODE_RANK (GROUP_RANK under torchrun) tells the first node's
-    if _get_rank() not in (None, 0) or int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0))) != 0:
+    if not _first_process():
         # a process that Lightning started for another rank has the first one's environment
         reserved = Path(os.environ.get(RUN_FOLDER_VARIABLE) or ".")
         if (number := re.fullmatch(r"version_(\d+)", reserved.name)) and reserved.parent == runs.resolve():
@@ -192,7 +254,25 @@ def try_writing_in(folder: Path) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
-        raise OSError(error.errno, error.strerror, str(existing)) from error
+        kernel = _file_system(existing)
+        reason = f"new files cannot be made on a {kernel} file system" if kernel in _KERNEL_FILE_SYSTEMS else error.strerror
+        raise OSError(error.errno, reason, str(existing)) from error
+
+
+# file systems through which the kernel shows its state: they refuse new files, with errors that do not say so
+_KERNEL_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+                        "pstore", "bpf", "fusectl", "mqueue", "hugetlbfs", "efivarfs"}
+
+
+def _file_system(folder: Path) -> str | None:
+    """The type of the file system ``folder`` is on (from ``/proc/self/mounts``), or None where that cannot be read."""
+    try:
+        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    folder = folder.resolve()
+    covering = [(Path(fields[1]), fields[2]) for fields in mounts if len(fields) > 2 and folder.is_relative_to(fields[1])]
+    return max(covering, key=lambda mount: len(mount[0].parts))[1] if covering else None
 
 
 def newest_last_checkpoint(config: Namespace) -> str:

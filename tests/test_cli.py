@@ -386,13 +386,25 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_u
 
 
 @pytest.mark.slow
-def test_a_run_prints_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script):
+def test_a_run_and_its_resume_print_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script):
     environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
-    result = subprocess.run([lit_cancel_script, *quick_args(tmp_path, 2)], capture_output=True, text=True, env=environment)
-    assert result.returncode == 0, result.stderr
-    output = result.stdout + result.stderr
-    for noise in ["LeafSpec", "past_key_values", "Tip:", "Warning", "deprecated"]:
-        assert noise not in output, output
+    last = tmp_path / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
+    for resume in ([], ["--trainer.max_steps=3", f"--ckpt_path={last}"]):
+        args = quick_args(tmp_path, 2, *resume)
+        result = subprocess.run([lit_cancel_script, *args], capture_output=True, text=True, env=environment)
+        assert result.returncode == 0, result.stderr
+        output = result.stdout + result.stderr
+        for noise in ["LeafSpec", "past_key_values", "Tip:", "Warning", "warning", "deprecated", "exists and is not empty"]:
+            assert noise not in output, output
+    assert torch.load(last, weights_only=False)["global_step"] == 3
+
+
+def test_warnings_are_printed_on_one_line(tmp_path):
+    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    script = ("import sys, warnings; from lit_cancel import cli; sys.argv = ['lit-cancel', 'fit']; "
+              "cli.run_cli = lambda: [warnings.warn('round 3: every reward is equal'), warnings.warn('old', FutureWarning)]; cli.main()")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "warning: round 3: every reward is equal\nwarning (FutureWarning): old\n")
 
 
 def test_validate_prints_the_held_out_metrics(tmp_path, capsys, checkpoints):

@@ -78,9 +78,9 @@ def test_the_bar_counts_steps_and_shows_the_round_reward_and_accuracy_outside_a_
     assert [row["description"] for row in rows] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]
     assert [(row["completed"], row["total"]) for row in rows] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     for row in rows:
-        # one round per step: the round's mean reward is the batch's; with 0/1 rewards the accuracy equals it and is left out
+        # one round per step: the round's mean reward and accuracy are the batch's (its rewards are 1 for a correct sum, else 0)
         assert row["metrics"]["reward"] == pytest.approx(float(row["rewards"].mean()))
-        assert "acc" not in row["metrics"]
+        assert row["metrics"]["acc"] == pytest.approx(float((row["rewards"] == 1).float().mean()))
     assert "val_acc" not in rows[1]["metrics"]  # validation runs after step 2's batch
     assert rows[2]["metrics"]["val_acc"] == rows[3]["metrics"]["val_acc"] == pytest.approx(record.validations[0])
 
@@ -95,7 +95,7 @@ def test_the_bar_fits_80_columns_and_says_when_validation_is_running():
     assert isinstance(record.rows[2]["metrics"]["val_acc"], float)  # the step after validation shows its value
 
 
-def test_accuracy_is_shown_where_it_differs_from_the_reward():
+def test_accuracy_is_shown_beside_the_reward():
     bar = StepProgressBar()
     trainer = SimpleNamespace(
         callback_metrics={"rollout/reward_mean": torch.tensor(0.25), "rollout/accuracy": torch.tensor(0.5)},
@@ -103,7 +103,7 @@ def test_accuracy_is_shown_where_it_differs_from_the_reward():
     )
     assert bar.get_metrics(trainer, None) == {"reward": 0.25, "acc": 0.5}
     trainer.callback_metrics["rollout/accuracy"] = torch.tensor(0.25)
-    assert bar.get_metrics(trainer, None) == {"reward": 0.25}
+    assert bar.get_metrics(trainer, None) == {"reward": 0.25, "acc": 0.25}
 
 
 def test_with_accumulation_the_bar_counts_optimizer_steps_not_micro_batches():

@@ -119,6 +119,7 @@ def test_compile_says_that_the_first_passes_compile(tiny_model_path, caplog, com
     module.trainer = make_trainer(1)
     with caplog.at_level("INFO"):
         module.configure_model()
+        module.configure_model()  # the validation before fit, then fit: each configures the model; the notice is said once
     said = [record.getMessage() for record in caplog.records if "compile" in record.getMessage()]
     assert said == ([
         "model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, validation); on a CPU "

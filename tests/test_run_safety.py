@@ -1,10 +1,12 @@
 """During a run: the last step is saved, signals are told truthfully, checkpoints are written atomically, one run keeps one folder."""
 
 import errno
+import fcntl
 import io
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_cancel import cli
 from lit_cancel.checkpointing import _host
 from lit_cancel.cli import run_cli
-from lit_cancel.runs import reserve_logger_version, reserve_version
+from lit_cancel.runs import LOCK_FILE, reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -333,16 +335,26 @@ def test_a_read_only_output_folder_is_refused_before_the_model_loads(tmp_path, m
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("lit_cancel.module.load_causal_lm", load_causal_lm)
-    if os.geteuid() == 0:  # root writes in a folder without write permission; /sys refuses everyone
-        read_only = Path("/sys")
-    else:
-        read_only = tmp_path / "read-only"
-        read_only.mkdir()
-        read_only.chmod(0o555)
+    if os.geteuid() == 0:
+        pytest.skip("root writes in a folder without write permission")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
     save_dir = read_only / "runs"
     code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), f"--trainer.logger.init_args.save_dir={save_dir}")
     assert code == 2
     assert lines[-1] == f"error: trainer.logger.init_args.save_dir: cannot write in {save_dir} (Permission denied: {read_only})"
+
+
+@pytest.mark.parametrize("kernel, file_system", [("/proc", "proc"), ("/sys", "sysfs")])
+def test_an_output_folder_on_a_kernel_file_system_is_refused_as_such(tmp_path, monkeypatch, capsys, kernel, file_system):
+    if f" {kernel} {file_system} " not in Path("/proc/self/mounts").read_text():
+        pytest.skip(f"{kernel} is not a {file_system} file system here")
+    monkeypatch.setattr("lit_cancel.module.load_causal_lm", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    save_dir = Path(kernel) / "runs"
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), f"--trainer.logger.init_args.save_dir={save_dir}")
+    assert (code, lines[-1]) == (2, f"error: trainer.logger.init_args.save_dir: cannot write in {save_dir} "
+                                    f"(new files cannot be made on a {file_system} file system: {kernel})")
 
 
 def scalar_steps(log_dir: Path, tag: str) -> list[int]:
@@ -394,6 +406,52 @@ def test_ckpt_path_last_takes_the_newest_whole_checkpoint_when_last_ckpt_is_miss
     assert saved_step(folder / "last.ckpt") == 3
     assert f"--ckpt_path last: resuming {folder / 'epoch=0-step=2.ckpt'}, the newest whole checkpoint of this config's runs" in caplog.text
     assert expected in caplog.text
+
+
+def lock_is_held(folder: Path) -> bool:
+    """Whether a process other than this open file holds the lock of a run folder."""
+    descriptor = os.open(folder / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)
+    return False
+
+
+class RecordsTheRunFolderLock(L.Callback):
+    held: list[tuple[bool, str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        folder = Path(trainer.logger.log_dir)
+        RecordsTheRunFolderLock.held.append((lock_is_held(folder), (folder / LOCK_FILE).read_text()))
+
+
+def test_a_fit_holds_its_run_folder_and_a_second_resume_of_it_is_refused(tmp_path, monkeypatch, capsys):
+    config = str(write_config(tmp_path))
+    RecordsTheRunFolderLock.held = []
+    run_cli(["fit", "--config", config, "--trainer.callbacks+=test_run_safety.RecordsTheRunFolderLock"])
+    folder, last = checkpoints(tmp_path).parent, checkpoints(tmp_path) / "last.ckpt"
+    assert [held for held, _ in RecordsTheRunFolderLock.held] == [True, True]
+    assert RecordsTheRunFolderLock.held[0][1].startswith(f"pid {os.getpid()} on {socket.gethostname()}, since ")
+    assert not lock_is_held(folder)  # released when the run ended
+    holder = subprocess.Popen(  # a run resumed from the same last.ckpt, still going
+        [sys.executable, "-c", "import fcntl, os, sys, time; d = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(d, fcntl.LOCK_EX); "
+         "os.ftruncate(d, 0); os.write(d, b'pid 4242 on elsewhere, since 2026-01-02 03:04:05'); print('held', flush=True); time.sleep(120)",
+         str(folder / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, lines = console(monkeypatch, capsys, "fit", "--config", config, "--trainer.max_steps=3", f"--ckpt_path={last}")
+        assert (code, lines[-1]) == (2, f"error: trainer.logger.init_args.version: {folder} is in use by a run that is still going (pid 4242 "
+                                        "on elsewhere, since 2026-01-02 03:04:05); let it finish or stop it, or start a new run (without "
+                                        "--ckpt_path) in a folder of its own")
+        assert saved_step(last) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    run_cli(["fit", "--config", config, "--trainer.max_steps=3", f"--ckpt_path={last}"])  # the lock went with its process
+    assert saved_step(last) == 3
 
 
 @pytest.mark.parametrize("shared", ["version", "dirpath"])
