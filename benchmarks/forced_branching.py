@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lit_cancel.audit import shared_positions
 from lit_cancel.engines import DecodeLoop, RolloutEngine, Sampled
+from lit_cancel.objectives.audit import shared_positions
 
 
 @contextmanager

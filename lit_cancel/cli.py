@@ -29,11 +29,11 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint import FileSystemReader
 
-from lit_cancel import audit, checkpointing, presets
+from lit_cancel import checkpointing
 from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.log_errors import log_write_error, quiet_log_writer_threads, report_log_write_errors
-from lit_cancel.objectives import Objective
+from lit_cancel.objectives import Objective, audit, presets
 from lit_cancel.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.runs import RunFolderLock, checkpoint_metadata, prepare_run

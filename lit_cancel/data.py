@@ -16,6 +16,8 @@ from lit_cancel.round_warnings import CannotLearnWarnings
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
+# the options of a checkpoint's run shape that name a class
+_CLASS_OPTIONS = ("data.init_args.plan", "model.init_args.objective")
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -352,7 +354,8 @@ class RolloutDataModule(TaskDataModule):
         """Raises ValueError when the rollout state ``saved`` (a ``state_dict``) cannot go on in this run: options that
         differ from the checkpoint's (unless ``allow_resume_changes``), unspent rollouts of other than ``world`` processes."""
         current = self.run_shape(objective)
-        saved_shape = saved.get("run_shape", {})
+        saved_shape = {name: public_class_path(value) if name in _CLASS_OPTIONS and value else value
+                       for name, value in saved.get("run_shape", {}).items()}
         changed = [f"{name} {saved_shape[name]!r} -> {value!r}" for name, value in current.items()
                    if name in saved_shape and saved_shape[name] != value]
         if changed and not self.allow_resume_changes:
@@ -416,7 +419,17 @@ def _permutation(size: int, seed: int) -> list[int]:
 
 
 def _class_path(value: object) -> str | None:
-    return None if value is None else f"{type(value).__module__}.{type(value).__qualname__}"
+    """The class of ``value`` by its public name, ``lit_cancel.GRPO``, where lit_cancel exports it; else by its module."""
+    return None if value is None else public_class_path(f"{type(value).__module__}.{type(value).__qualname__}")
+
+
+def public_class_path(class_path: str) -> str:
+    """``lit_cancel.NAME`` for the class path of a class that lit_cancel exports as ``NAME``, whichever of its modules
+    the path names (checkpoints written before the sub-packages name ``lit_cancel.presets.GRPO``); else ``class_path``."""
+    import lit_cancel
+
+    name = class_path.rpartition(".")[2]
+    return f"lit_cancel.{name}" if class_path.startswith("lit_cancel.") and name in lit_cancel.__all__ else class_path
 
 
 def groups_split(group_ids: Tensor, steps: list[Tensor]) -> int:

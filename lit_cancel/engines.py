@@ -12,7 +12,7 @@ the policy's weights changed. ``PolicyModule`` calls the engine for rollouts and
 The first two run the policy itself: their samples come from exactly the weights being trained,
 so they report no sampling log-probs and need no sync. An engine that keeps its own copy of the
 weights reports its sampling log-probs, so the objective can measure and correct the mismatch
-(see :mod:`lit_cancel.corrections`).
+(see :mod:`lit_cancel.objectives.corrections`).
 """
 
 from abc import ABC, abstractmethod

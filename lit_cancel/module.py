@@ -19,7 +19,7 @@ from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
-from lit_cancel.presets import GRPO
+from lit_cancel.objectives.presets import GRPO
 from lit_cancel.rollouts import accuracy_terms
 from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
 

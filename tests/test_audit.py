@@ -9,8 +9,8 @@ from lit_cancel.callbacks import learning_tax as tax_callback
 from lit_cancel.callbacks import token_flip
 
 from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, NoClip, PolicyGradient, SequenceMean
-from lit_cancel.audit import SCENARIOS, audit, learning_tax, main, scenario_rollouts, shared_positions
-from lit_cancel.corrections import CORRECTIONS
+from lit_cancel.objectives.audit import SCENARIOS, audit, learning_tax, main, scenario_rollouts, shared_positions
+from lit_cancel.objectives.corrections import CORRECTIONS
 
 LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
 

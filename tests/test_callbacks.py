@@ -11,7 +11,7 @@ from lit_cancel.callbacks import EntropyCollapseMonitor, LearningTaxMonitor, Sol
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_cancel.audit import learning_tax, shared_positions
+from lit_cancel.objectives.audit import learning_tax, shared_positions
 
 VOCAB = 12
 CALLBACKS_DIR = Path(__file__).parents[1] / "callbacks"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lit_cancel import DFPOMin, DrGRPO, GroupMin, RolloutBatch, SequenceMask, SequenceTruncate, TokenMask, TokenTruncate
-from lit_cancel.audit import audit, credits, main
-from lit_cancel.objectives import mismatch_metrics
+from lit_cancel.objectives.audit import audit, credits, main
+from lit_cancel.objectives.policy_gradient import mismatch_metrics
 
 MISMATCH = "sampler mismatch, equal lengths"
 

@@ -13,11 +13,11 @@ import torch
 from lit_cancel.callbacks.learning_tax import shared_positions as monitor_shared_positions
 
 from lit_cancel import RLModule, RolloutDataModule, ScaffoldedAdditionTask
-from lit_cancel.audit import credits, learning_tax
-from lit_cancel.audit import shared_positions as audit_shared_positions
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import RolloutEngine, Sampled
-from lit_cancel.presets import PRESETS
+from lit_cancel.objectives.audit import credits, learning_tax
+from lit_cancel.objectives.audit import shared_positions as audit_shared_positions
+from lit_cancel.objectives.presets import PRESETS
 from lit_cancel.rollouts import encode_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,8 +26,8 @@ from lit_cancel import (
     SymmetricClip,
     TokenMean,
 )
-from lit_cancel.audit import learning_tax, policy_gradient_part
-from lit_cancel.objectives import kl_estimate
+from lit_cancel.objectives.audit import learning_tax, policy_gradient_part
+from lit_cancel.objectives.policy_gradient import kl_estimate
 
 
 def test_advantage_estimators_by_hand():

@@ -151,7 +151,7 @@ def test_ctrl_c_in_another_command_is_one_line(monkeypatch, capsys, command):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("lit_cancel.diagnose.main", interrupted)
-    monkeypatch.setattr("lit_cancel.audit.main", interrupted)
+    monkeypatch.setattr("lit_cancel.objectives.audit.main", interrupted)
     code, lines = console(monkeypatch, capsys, *command)
     assert (code, lines) == (130, [f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)"])
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lit_cancel import DAPO, DFPOMin, DFPOMinTR, DFPOOrth, GroupRatioDrop, TokenRatioMask, TokenRatioWeight
-from lit_cancel.audit import SCENARIOS, _group, audit, credits, main
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.objectives.audit import SCENARIOS, _group, audit, credits, main
 
 SHARED_OUTSIDE = "shared tokens outside the clip range"
 REGIONS = [TokenRatioMask, GroupRatioDrop, TokenRatioWeight]

@@ -18,11 +18,11 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lit_cancel.audit import shared_positions
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.objectives.audit import shared_positions
+from lit_cancel.objectives.trust_regions import TrustRegion
 from lit_cancel.plans import MiniBatchPlan
 from lit_cancel.tasks import SCAFFOLD_TEXT
-from lit_cancel.trust_regions import TrustRegion
 
 
 def completion_ids(batch: RolloutBatch) -> Tensor:

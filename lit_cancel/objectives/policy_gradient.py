@@ -3,7 +3,7 @@
 Every objective has a gradient of the form ``-sum_{i,t} c_{i,t} grad logp_{i,t}`` and returns its
 loss together with the detached per-token credits ``c`` (``ObjectiveOutput.credits``), so
 instruments and tests can read them without knowing the objective. The named presets are in
-:mod:`lit_cancel.presets`.
+:mod:`lit_cancel.objectives.presets`.
 """
 
 from abc import ABC, abstractmethod
@@ -13,13 +13,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lit_cancel.advantages import AdvantageEstimator, GroupNormalised
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.clipping import Clip, NoClip, SymmetricClip
-from lit_cancel.corrections import MismatchCorrection
-from lit_cancel.group_transforms import GroupTransform
-from lit_cancel.normalisers import Normaliser, SequenceMean
-from lit_cancel.trust_regions import TrustRegion
+from lit_cancel.objectives.advantages import AdvantageEstimator, GroupNormalised
+from lit_cancel.objectives.clipping import Clip, NoClip, SymmetricClip
+from lit_cancel.objectives.corrections import MismatchCorrection
+from lit_cancel.objectives.group_transforms import GroupTransform
+from lit_cancel.objectives.normalisers import Normaliser, SequenceMean
+from lit_cancel.objectives.trust_regions import TrustRegion
 
 
 @dataclass
@@ -102,9 +102,9 @@ class PolicyGradient(Objective):
     When the rollouts come from an engine with its own copy of the weights (the batch carries
     ``sampler_logprobs``), the mismatch is logged (``rollout/logprob_mismatch``, ``..._max``,
     ``rollout/sampler_kl``) and, with a ``correction``, the policy-gradient term's ``1 / N_it`` is
-    multiplied by its weight ``rho_it`` (see :mod:`lit_cancel.corrections`). A ``trust_region``
+    multiplied by its weight ``rho_it`` (see :mod:`lit_cancel.objectives.corrections`). A ``trust_region``
     multiplies it likewise by a weight computed from the token ratios under stop-gradient (see
-    :mod:`lit_cancel.trust_regions`); it is the off-policy bound of the clip-free DFPO estimator.
+    :mod:`lit_cancel.objectives.trust_regions`); it is the off-policy bound of the clip-free DFPO estimator.
 
     Args:
         advantage: advantage estimator; :class:`GroupNormalised` when None.

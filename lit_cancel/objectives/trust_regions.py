@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.group_transforms import MinReplace
+from lit_cancel.objectives.group_transforms import MinReplace
 
 
 class TrustRegion(ABC):

@@ -6,13 +6,13 @@ the members there: the ratio at a shared position is the same for every member, 
 keep it equal, and the normaliser and any sequence-level weight decide.
 """
 
-from lit_cancel.advantages import GroupNormalised, LeaveOneOut, MeanCentred
-from lit_cancel.clipping import AsymmetricClip, SymmetricClip
-from lit_cancel.corrections import MismatchCorrection
-from lit_cancel.group_transforms import AdvOrthogonal, GroupTransform, MinReplace
-from lit_cancel.normalisers import ConstantLength, Normaliser, TokenMean
-from lit_cancel.objectives import Objective, PolicyGradient
-from lit_cancel.trust_regions import TokenRatioMask, TrustRegion
+from lit_cancel.objectives.advantages import GroupNormalised, LeaveOneOut, MeanCentred
+from lit_cancel.objectives.clipping import AsymmetricClip, SymmetricClip
+from lit_cancel.objectives.corrections import MismatchCorrection
+from lit_cancel.objectives.group_transforms import AdvOrthogonal, GroupTransform, MinReplace
+from lit_cancel.objectives.normalisers import ConstantLength, Normaliser, TokenMean
+from lit_cancel.objectives.policy_gradient import Objective, PolicyGradient
+from lit_cancel.objectives.trust_regions import TokenRatioMask, TrustRegion
 
 
 class GRPO(PolicyGradient):
@@ -28,7 +28,7 @@ class GRPO(PolicyGradient):
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         scale_by_std: divide group-centred rewards by the group std.
         entropy_coef: weight of the entropy bonus.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class DrGRPO(PolicyGradient):
         length: the constant ``L`` (Dr. GRPO uses the generation budget); set it near ``max_new_tokens``.
         kl_coef: weight of the KL to the reference model.
         entropy_coef: weight of the entropy bonus.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class DAPO(PolicyGradient):
         eps_high: upper clip range.
         kl_coef: weight of the KL to the reference model (DAPO uses none).
         entropy_coef: weight of the entropy bonus.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class GSPO(PolicyGradient):
         eps_low: lower clip range (GSPO's are tiny because ``s_i`` averages over the sequence).
         eps_high: upper clip range.
         kl_coef: weight of the KL to the reference model.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, kl_coef: float = 0.0, correction: MismatchCorrection | None = None):
@@ -143,8 +143,8 @@ class DFPOMin(_DFPO):
         length: the constant ``L`` of the default normaliser.
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
-        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.trust_regions`); none by default.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
+        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.objectives.trust_regions`); none by default.
     """
 
     transform = MinReplace
@@ -162,8 +162,8 @@ class DFPOOrth(_DFPO):
         length: the constant ``L`` of the default normaliser.
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
-        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.trust_regions`); none by default.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
+        trust_region: an off-policy bound that keeps cancelling (:mod:`lit_cancel.objectives.trust_regions`); none by default.
     """
 
     transform = AdvOrthogonal
@@ -186,7 +186,7 @@ class DFPOMinTR(DFPOMin):
         length: the constant ``L`` of the default normaliser.
         normaliser: another normaliser; it must be equal across a group's members to cancel.
         kl_coef: weight of the KL to the reference model.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(
@@ -206,7 +206,7 @@ class RLOO(PolicyGradient):
     Args:
         clip_eps: PPO clip range.
         kl_coef: weight of the KL to the reference model.
-        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.corrections`.
+        correction: weights for a sampler/trainer mismatch (vLLM rollouts); see :mod:`lit_cancel.objectives.corrections`.
     """
 
     def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0, correction: MismatchCorrection | None = None):

@@ -18,7 +18,7 @@ do), where an objective's mismatch correction acts (``--correction``). Ratios on
 vary. In the off-policy scenarios the shared positions' common ratio lies first inside a 0.2 range,
 then outside it: there a PPO-style clip keeps the gradient of one sign of advantage and drops the
 other, so it stops cancelling, while a trust region that depends on the ratio alone
-(:mod:`lit_cancel.trust_regions`) drops every member alike and keeps cancelling.
+(:mod:`lit_cancel.objectives.trust_regions`) drops every member alike and keeps cancelling.
 
 The two stale scenarios have rollouts from an asynchronous sampler some weights versions behind the
 trainer (decoupled PPO: the sampler's log-probs are the behaviour policy's, ``old_logprobs`` the
@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.corrections import CORRECTIONS
-from lit_cancel.objectives import Objective
-from lit_cancel.presets import PRESETS
-from lit_cancel.trust_regions import TRUST_REGIONS
+from lit_cancel.objectives.corrections import CORRECTIONS
+from lit_cancel.objectives.policy_gradient import Objective
+from lit_cancel.objectives.presets import PRESETS
+from lit_cancel.objectives.trust_regions import TRUST_REGIONS
 
 # the names presets had before they took their class names
 OLD_NAMES = {
