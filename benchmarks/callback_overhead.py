@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_cancel.cli import LitCancelCLI
+from lit_cancel.run.cli import LitCancelCLI
 
 HOOKS = ("on_train_start", "on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lit_cancel.cli import run_cli
+from lit_cancel.run.cli import run_cli
 from lit_cancel.tokenizer import build_char_tokenizer
 
 QWEN25_05B = {

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from lit_cancel import precision
-from lit_cancel.cli import run_cli
+from lit_cancel.run import precision
 from lit_cancel.hub import resolve_model_path
+from lit_cancel.run.cli import run_cli
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -11,10 +11,11 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from lit_cancel import cli
-from lit_cancel.checkpointing import COMPLETE_MARKER
-from lit_cancel.cli import run_cli as main
-from lit_cancel.flags import spelled_as_flags
+from lit_cancel.run import cli, commands
+from lit_cancel.run.checkpointing import COMPLETE_MARKER
+from lit_cancel.run.cli import LitCancelCLI
+from lit_cancel.run.cli import run_cli as main
+from lit_cancel.run.flags import spelled_as_flags
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -77,7 +78,7 @@ def checksum_reward(record: dict, completion: str) -> float:
 def test_the_addition_task_takes_a_reward_fn_from_a_yaml_config(tmp_path):
     reward = tmp_path / "reward.yaml"
     reward.write_text("data:\n  init_args:\n    task:\n      init_args:\n        reward_fn: test_cli.checksum_reward\n")
-    parsed = cli.LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+    parsed = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
                               args=["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(reward)])
     task = parsed.datamodule.task
     record = task.train_records()[0]
@@ -140,9 +141,9 @@ def test_sizes_that_do_not_divide_fail_at_start(tmp_path, capsys):
 def console_error(monkeypatch, capsys, *args: str) -> list[str]:
     """The stderr lines of the ``lit-cancel`` console script refusing ``args`` (exit status 2)."""
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *args])
-    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    monkeypatch.delenv(commands.DEBUG_VARIABLE, raising=False)
     with pytest.raises(SystemExit) as exit:
-        cli.main()
+        commands.main()
     assert exit.value.code == 2
     return capsys.readouterr().err.strip().splitlines()
 
@@ -168,9 +169,9 @@ def test_startup_mistake_ends_with_its_own_message(tmp_path, monkeypatch, capsys
 
 def test_debug_variable_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *quick_args(tmp_path, 2, "--model.init_args.model_path=no-model")])
-    monkeypatch.setenv(cli.DEBUG_VARIABLE, "1")
-    with pytest.raises(cli.ConfigError) as refusal:
-        cli.main()
+    monkeypatch.setenv(commands.DEBUG_VARIABLE, "1")
+    with pytest.raises(commands.ConfigError) as refusal:
+        commands.main()
     assert isinstance(refusal.value.__cause__.__cause__, FileNotFoundError)
 
 
@@ -258,7 +259,7 @@ def test_help_lists_every_command():
 
 
 def test_console_script_prints_only_a_short_error(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     result = subprocess.run(
         ["lit-cancel", *quick_args(tmp_path, 2, "--model.init_args.learning_rate=0.1")], capture_output=True, text=True, env=environment,
     )
@@ -341,7 +342,7 @@ def test_export_refuses_a_file_or_a_folder_with_files_unless_overwrite(tmp_path,
     assert sorted(p.name for p in used.iterdir()) == ["notes.txt"]
     assert console_error(monkeypatch, capsys, *export, f"--output_dir={used}", "--overwrite=false")[-1].endswith("or add --overwrite to write over its files")
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *export, f"--output_dir={used}", "--overwrite", "true"])  # fit's spelling
-    cli.main()
+    commands.main()
     assert (used / "config.json").is_file() and (used / "notes.txt").read_text() == "kept"
     assert AutoModelForCausalLM.from_pretrained(used).num_parameters() > 0
 
@@ -387,7 +388,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_u
 
 @pytest.mark.slow
 def test_a_run_and_its_resume_print_nothing_the_user_cannot_act_on(tmp_path, lit_cancel_script):
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     last = tmp_path / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
     for resume in ([], ["--trainer.max_steps=3", f"--ckpt_path={last}"]):
         args = quick_args(tmp_path, 2, *resume)
@@ -400,9 +401,9 @@ def test_a_run_and_its_resume_print_nothing_the_user_cannot_act_on(tmp_path, lit
 
 
 def test_warnings_are_printed_on_one_line(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
-    script = ("import sys, warnings; from lit_cancel import cli; sys.argv = ['lit-cancel', 'fit']; "
-              "cli.run_cli = lambda: [warnings.warn('round 3: every reward is equal'), warnings.warn('old', FutureWarning)]; cli.main()")
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
+    script = ("import sys, warnings; from lit_cancel.run import commands; sys.argv = ['lit-cancel', 'fit']; "
+              "commands.run_cli = lambda: [warnings.warn('round 3: every reward is equal'), warnings.warn('old', FutureWarning)]; commands.main()")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=tmp_path)
     assert (result.returncode, result.stderr) == (0, "warning: round 3: every reward is equal\nwarning (FutureWarning): old\n")
 

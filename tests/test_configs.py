@@ -9,7 +9,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_cancel import DrGRPO
-from lit_cancel.cli import LitCancelCLI, run_cli
+from lit_cancel.run.cli import LitCancelCLI, run_cli
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

@@ -9,7 +9,8 @@ from lit_cancel.callbacks.diagnoses import SERIES, SETTINGS, Rule, mean, registe
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from lit_cancel import cli, diagnose
+from lit_cancel import diagnose
+from lit_cancel.run import commands
 from lit_cancel.run_history import LIT_CANCEL_SETTINGS, TAGS, TRL_SETTINGS, RunReadError, read_run
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -215,7 +216,7 @@ def test_folders_that_cannot_be_read(tmp_path, capsys, monkeypatch):
     for folder, reason in expected.items():
         monkeypatch.setattr(sys, "argv", ["lit-cancel", "diagnose", str(tmp_path / folder)])
         with pytest.raises(SystemExit) as stop:
-            cli.main()
+            commands.main()
         assert stop.value.code == 2
         assert capsys.readouterr().err == f"lit-cancel diagnose: {tmp_path / folder}{reason}\n"
     with pytest.raises(RunReadError):
@@ -223,7 +224,7 @@ def test_folders_that_cannot_be_read(tmp_path, capsys, monkeypatch):
 
 
 def test_quickstart_run_folder(tmp_path, monkeypatch, capsys):
-    run = cli.run_cli([
+    run = commands.run_cli([
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.max_steps=2", "--trainer.val_check_interval=2",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.prompts_per_round=2",
@@ -243,6 +244,6 @@ def test_quickstart_run_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(diagnoses, "RULES", {})
     monkeypatch.setattr(sys, "argv", ["lit-cancel", "diagnose", str(log_dir)])
     with pytest.raises(SystemExit) as stop:
-        cli.main()
+        commands.main()
     assert stop.value.code == 0
     assert "framework lit_cancel, 2 event files" in " ".join(capsys.readouterr().out.split())

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 from transformers import AutoModelForCausalLM
 
 from lit_cancel import RLModule
-from lit_cancel.checkpointing import COMPLETE_MARKER
-from lit_cancel.export import export
+from lit_cancel.run.checkpointing import COMPLETE_MARKER
+from lit_cancel.run.export import export
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-fsdp2-cpu.yaml"
 LIT_CANCEL = shutil.which("lit-cancel") or str(Path(sys.executable).parent / "lit-cancel")

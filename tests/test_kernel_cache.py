@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 from lit_cancel import RLModule
 from lit_cancel.host_memory import KERNEL_CACHE_VARIABLE
-from lit_cancel.precision import cpu_bf16_speedup
+from lit_cancel.run.precision import cpu_bf16_speedup
 
 # three convolutions of different shapes, then the first again: a cache of two kernels has evicted it by then
 CONVOLUTIONS = """

@@ -13,9 +13,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.checkpointing import COMPLETE_MARKER, _host, complete_folder, remove_abandoned_temporary_files
-from lit_cancel.cli import ConfigError, check_checkpoint, run_cli
-from lit_cancel.export import export
+from lit_cancel.run.checkpointing import COMPLETE_MARKER, _host, complete_folder, remove_abandoned_temporary_files
+from lit_cancel.run.checks import check_checkpoint
+from lit_cancel.run.cli import run_cli
+from lit_cancel.run.errors import ConfigError
+from lit_cancel.run.export import export
 
 SCRIPT = Path(__file__).parent / "resume_ranks.py"
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from lit_cancel.cli import run_cli
+from lit_cancel.run.cli import run_cli
 
 OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint-before-subpackages.ckpt"
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_cancel import PRESETS
-from lit_cancel.cli import run_cli
+from lit_cancel.run.cli import run_cli
 
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 

@@ -14,8 +14,8 @@ from lit_cancel.callbacks import RolloutSamplesLogger
 from rich.console import Console
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
-from lit_cancel.cli import LitCancelCLI
-from lit_cancel.progress import StepProgressBar
+from lit_cancel.run.cli import LitCancelCLI
+from lit_cancel.run.progress import StepProgressBar
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

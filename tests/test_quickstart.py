@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_cancel.cli import run_cli
+from lit_cancel.run.cli import run_cli
 
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 

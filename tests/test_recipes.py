@@ -13,7 +13,8 @@ import yaml
 from torch.distributed.run import get_args_parser
 
 from lit_cancel import VLLMServerEngine
-from lit_cancel.cli import ConfigError, run_cli
+from lit_cancel.run.cli import run_cli
+from lit_cancel.run.errors import ConfigError
 from lit_cancel.vllm_server import parser as serve_parser
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")

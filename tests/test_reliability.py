@@ -13,8 +13,9 @@ import torch
 
 from lit_cancel import GRPO, AdditionTask, DFPOMin, RLModule, RolloutDataModule, Shuffled
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.cli import ConfigError, run_cli
 from lit_cancel.rollouts import RewardError, score
+from lit_cancel.run.cli import run_cli
+from lit_cancel.run.errors import ConfigError
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -189,7 +190,7 @@ class InterruptAtStep3(L.Callback):
 def test_ctrl_c_writes_last_ckpt_and_resuming_gives_the_uninterrupted_parameters(tmp_path):
     (tmp_path / "interrupt.py").write_text(INTERRUPT_AT_STEP_3)
     environment = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    command = [sys.executable, "-m", "lit_cancel.cli"]
+    command = [sys.executable, "-m", "lit_cancel"]
     interrupted = subprocess.run(
         command + quick_args(tmp_path / "a", 5, "--trainer.callbacks+=interrupt.InterruptAtStep3"),
         env=environment, capture_output=True, text=True, cwd=tmp_path,

@@ -19,8 +19,9 @@ from test_reliability import quick_args
 from test_run_safety import console, saved_step
 from transformers import AutoTokenizer
 
-from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, cli
+from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.round_warnings import WARN_EVERY_N_ROUNDS
+from lit_cancel.run import commands
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 STOPPED_AT = "lit-cancel: the run stopped at step {} (LIT_CANCEL_DEBUG=1 shows the traceback)"
@@ -61,10 +62,10 @@ class DiskFullAtStep2(L.Callback):
 
 
 def test_a_reward_error_during_the_run_prints_the_step_the_cause_and_the_last_checkpoint_last(tmp_path):
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     environment["PYTHONPATH"] = str(Path(__file__).parent)
     result = subprocess.run(
-        [sys.executable, "-m", "lit_cancel.cli", *quick_args(tmp_path, 4, "--data.init_args.task.class_path=test_run_messages.FailsInRound2")],
+        [sys.executable, "-m", "lit_cancel", *quick_args(tmp_path, 4, "--data.init_args.task.class_path=test_run_messages.FailsInRound2")],
         capture_output=True, text=True, env=environment,
     )
     assert result.returncode == 1, result.stderr[-2000:]
@@ -97,9 +98,9 @@ def test_a_run_that_stops_says_so_in_three_lines_with_exit_status_1(tmp_path, mo
 
 def test_the_debug_variable_raises_the_run_error_with_its_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *quick_args(tmp_path, 4, "--trainer.callbacks+=test_run_messages.DiskFullAtStep2")])
-    monkeypatch.setenv(cli.DEBUG_VARIABLE, "1")
-    with pytest.raises(cli.RunError) as stopped:
-        cli.main()
+    monkeypatch.setenv(commands.DEBUG_VARIABLE, "1")
+    with pytest.raises(commands.RunError) as stopped:
+        commands.main()
     assert isinstance(stopped.value.__cause__, OSError) and stopped.value.step == 2
 
 
@@ -278,14 +279,14 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_the_quickstart_logs_the_learning_rate_and_the_gradient_norm_every_step(tmp_path):
-    run = cli.run_cli(quick_args(tmp_path, 2))
+    run = commands.run_cli(quick_args(tmp_path, 2))
     logged = scalars(run.trainer.logger.log_dir)
     assert logged["lr-AdamW"] == [(0, pytest.approx(2e-4)), (1, pytest.approx(2e-4))]
     assert [step for step, _ in logged["health/grad_norm"]] == [0, 1]
 
 
 def test_validation_is_logged_at_the_step_the_bar_shows(tmp_path):
-    run = cli.run_cli(quick_args(tmp_path, 3, "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2"))
+    run = commands.run_cli(quick_args(tmp_path, 3, "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2"))
     logged = scalars(run.trainer.logger.log_dir)
     assert [step for step, _ in logged["val/accuracy"]] == [step for step, _ in logged["val/greedy_accuracy"]] == [0, 2]
 

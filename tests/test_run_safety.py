@@ -23,10 +23,10 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_cancel import cli
-from lit_cancel.checkpointing import _host
-from lit_cancel.cli import run_cli
-from lit_cancel.runs import LOCK_FILE, reserve_logger_version, reserve_version
+from lit_cancel.run import commands
+from lit_cancel.run.checkpointing import _host
+from lit_cancel.run.cli import run_cli
+from lit_cancel.run.folders import LOCK_FILE, reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -64,9 +64,9 @@ def saved_step(path: Path) -> int:
 def console(monkeypatch, capsys, *args: str) -> tuple[int, list[str]]:
     """The exit status and stderr lines of the ``lit-cancel`` console script run with ``args``."""
     monkeypatch.setattr(sys, "argv", ["lit-cancel", *args])
-    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    monkeypatch.delenv(commands.DEBUG_VARIABLE, raising=False)
     with pytest.raises(SystemExit) as exit:
-        cli.main()
+        commands.main()
     return exit.value.code, capsys.readouterr().err.strip().splitlines()
 
 
@@ -88,9 +88,9 @@ def default_interrupt() -> None:
                                             (signal.SIGINT, r"Ctrl-C \(SIGINT\)")])
 def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_number(tmp_path, stop, name):
     config = write_config(tmp_path, max_steps=100_000)
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     with open(tmp_path / "stderr.txt", "w") as errors:
-        run = subprocess.Popen([sys.executable, "-m", "lit_cancel.cli", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
+        run = subprocess.Popen([sys.executable, "-m", "lit_cancel", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=errors, preexec_fn=default_interrupt)
         last = checkpoints(tmp_path) / "last.ckpt"
         deadline = time.monotonic() + 120
@@ -134,8 +134,8 @@ def test_ctrl_c_before_the_run_starts_says_there_is_nothing_to_resume(tmp_path, 
 
 def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path):
     """SIGINT while torch and Lightning are imported, before any of the command runs: the documented line, exit 130."""
-    script = "import sys; from lit_cancel import console; print('loading', flush=True); sys.argv = ['lit-cancel', 'fit', '--help']; console.main()"
-    environment = {k: v for k, v in os.environ.items() if k != cli.DEBUG_VARIABLE}
+    script = "import sys; from lit_cancel.run import console; print('loading', flush=True); sys.argv = ['lit-cancel', 'fit', '--help']; console.main()"
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     run = subprocess.Popen([sys.executable, "-c", script], env=environment, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, preexec_fn=default_interrupt)
     assert run.stdout.readline() == "loading\n"
@@ -178,7 +178,7 @@ def test_a_failed_write_keeps_the_previous_last_ckpt_and_stops_in_one_line(tmp_p
 
 def kill_9_during_a_write(path: Path) -> int:
     """Runs AtomicCheckpointIO's write of ``path`` in a process killed with SIGKILL mid-write; returns its PID."""
-    writer = (f"import os, time\nfrom lit_cancel.checkpointing import AtomicCheckpointIO\nos.fsync = lambda descriptor: time.sleep(600)\n"
+    writer = (f"import os, time\nfrom lit_cancel.run.checkpointing import AtomicCheckpointIO\nos.fsync = lambda descriptor: time.sleep(600)\n"
               f"AtomicCheckpointIO().save_checkpoint({{'step': 1}}, {str(path)!r})\n")
     run = subprocess.Popen([sys.executable, "-c", writer])
     deadline = time.monotonic() + 60

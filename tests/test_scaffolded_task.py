@@ -77,7 +77,7 @@ def test_bad_knobs_fail_naming_the_option(options, name):
 
 
 def test_scaffold_config_trains_the_embedded_model_and_logs_the_tax(tmp_path):
-    from lit_cancel.cli import run_cli
+    from lit_cancel.run.cli import run_cli
 
     cli = run_cli([
         "fit", "--config", "configs/scaffold.yaml", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",

@@ -26,9 +26,10 @@ from conftest import save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
-from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine, cli  # noqa: E402
-from lit_cancel.cli import run_cli  # noqa: E402
+from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
+from lit_cancel.run import commands  # noqa: E402
+from lit_cancel.run.cli import run_cli  # noqa: E402
 from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
@@ -317,9 +318,9 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_vll
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--model.init_args.engine.init_args.kv_cache_memory_bytes={TINY_ADDER_KV_CACHE_NEED - 1}",
     ])
-    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)
+    monkeypatch.delenv(commands.DEBUG_VARIABLE, raising=False)
     with pytest.raises(SystemExit) as exit:
-        cli.main()
+        commands.main()
     assert exit.value.code == 2 and started == []
     # what precedes every run is left: transformers' bar as the policy loads (Lightning's start-up lines go to
     # a handler that captures no file descriptor here)

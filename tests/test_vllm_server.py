@@ -380,7 +380,7 @@ def test_the_server_scores_the_colocated_engines_completions_as_that_engine_did_
 
 @pytest.mark.parametrize("config", ["quickstart-server.yaml", "quickstart-async.yaml"])
 def test_the_server_quickstarts_start_their_server_and_raise_held_out_accuracy(config, tmp_path):
-    from lit_cancel.cli import run_cli
+    from lit_cancel.run.cli import run_cli
 
     cli = run_cli(["fit", "--config", str(CONFIG.parent / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--trainer.enable_progress_bar=false", "--trainer.max_steps=50"])

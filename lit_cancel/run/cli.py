@@ -1,46 +1,36 @@
-"""``lit-cancel``: ``LightningCLI`` with the project's modules and links; ``export``, ``audit-objective``, ``serve``, ``diagnose``.
+"""``LightningCLI`` with the project's modules and checks: what ``lit-cancel fit`` and ``lit-cancel validate`` run.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
-a checkpoint of the wrong kind, sizes that do not fit) ends the command with a short message naming
-the option or file (exit status 2). A reward error, a run of non-finite steps or an I/O error during
-the run ends it with a short message naming the step and the checkpoint of the last good step (exit
-status 1). ``LIT_CANCEL_DEBUG=1`` shows the whole traceback instead.
+a checkpoint of the wrong kind, sizes that do not fit) raises :class:`~lit_cancel.run.errors.ConfigError`;
+a reward error, a run of non-finite steps or an I/O error during the run raises
+:class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint of the last good step.
 """
 
 import argparse
 import importlib
-import logging
-import os
 import re
-import signal
 import sys
-import threading
 import warnings
-import zipfile
 from contextlib import suppress
 from pathlib import Path
 
-import torch
-import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.distributed.checkpoint import FileSystemReader
 
-from lit_cancel import checkpointing
-from lit_cancel.checkpointing import RunStopped, stops_reported
 from lit_cancel.data import RolloutDataModule
-from lit_cancel.log_errors import log_write_error, quiet_log_writer_threads, report_log_write_errors
-from lit_cancel.objectives import Objective, audit, presets
-from lit_cancel.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
 from lit_cancel.rollouts import RewardError, check_reward
-from lit_cancel.runs import RunFolderLock, checkpoint_metadata, prepare_run
+from lit_cancel.run.checkpointing import stops_reported
+from lit_cancel.run.checks import check_checkpoint
+from lit_cancel.run.errors import ConfigError, RunError, config_file_problem, explain
+from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run
+from lit_cancel.run.log_errors import log_write_error, report_log_write_errors
+from lit_cancel.run.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
 from lit_cancel.sharding import check_strategy, shards
 
-DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
-COMMANDS = ("fit", "validate", "export", "audit-objective", "serve", "diagnose")
+# other commands of ``lit-cancel``, listed under fit's and validate's --help
 OTHER_COMMANDS = (
     "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
     "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
@@ -49,32 +39,10 @@ OTHER_COMMANDS = (
 )
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
-
-
-# errors whose message is clear without the exception's type (jsonargparse's own, the project's checks)
-_MESSAGE_SAYS_ALL = (ValueError, TypeError, OSError, LookupError, ImportError, AttributeError, argparse.ArgumentError)
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
 _RUN_ERRORS = (RewardError, FloatingPointError, OSError)
 # argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_PRESETS = [name for name, value in vars(presets).items()
-            if isinstance(value, type) and issubclass(value, Objective) and value.__module__ == presets.__name__ and name[0] != "_"]
-
-
-class ConfigError(Exception):
-    """A mistake in the command line, the config or the files it names, found before training starts."""
-
-
-class RunError(Exception):
-    """A reward error, a run of non-finite steps or an I/O error that stopped a run after it started.
-
-    The message is the cause's; ``step`` is the optimizer steps done, ``checkpoint`` the path of the
-    last checkpoint the run wrote (None when it wrote none).
-    """
-
-    def __init__(self, cause: BaseException, step: int, checkpoint: str | None):
-        super().__init__(str(cause))
-        self.step, self.checkpoint = step, checkpoint
 
 
 def last_checkpoint_written(trainer) -> str | None:
@@ -82,119 +50,6 @@ def last_checkpoint_written(trainer) -> str | None:
     paths = [Path(c.last_model_path) for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
     written = [path for path in paths if path.exists()]
     return str(max(written, key=lambda path: path.stat().st_mtime)) if written else None
-
-
-def config_file_problem(message: str, args: list[str]) -> str:
-    """What is wrong with the config file behind a jsonargparse ``message`` that does not name it: a YAML error at its
-    line and column (for ``"<unicode string>"``), or a file that is empty or not a mapping (for "Unexpected config")."""
-    configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    configs += [b for a, b in zip(args, args[1:]) if a == "--config"]
-    for config in configs:
-        try:
-            options = yaml.safe_load(Path(config).read_text())
-        except yaml.MarkedYAMLError as error:
-            mark = error.problem_mark or error.context_mark
-            return f"{config} line {mark.line + 1} column {mark.column + 1}: {error.problem or error.context}"
-        except (OSError, yaml.YAMLError):
-            continue
-        if options is None:
-            return f"{config} is empty: a config is a YAML mapping of options, like configs/quickstart.yaml"
-        if not isinstance(options, dict):
-            kind = "list" if isinstance(options, list) else type(options).__name__
-            return f"{config} holds a YAML {kind}, not a mapping of options (option: value lines, like configs/quickstart.yaml)"
-    return message
-
-
-def explain(error: BaseException) -> str:
-    """One message from jsonargparse's nested errors: the option's dotted path, then the innermost message."""
-    path, last_class = [], None
-    while True:
-        first_line = str(error).partition("\n")[0]
-        key = re.match(r'Parser key "([^"]+)":', first_line)
-        class_path = re.fullmatch(r"Problem with given class_path '(.+)':", first_line)
-        if key and path[-1:] != [key[1]]:
-            path += ["init_args", key[1]] if last_class else [key[1]]
-            last_class = None
-        if class_path:
-            last_class = class_path[1]
-        cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-        wraps = key or class_path or first_line.startswith("Does not validate against any of the Union subtypes")
-        if cause is None or not (wraps or str(cause).partition("\n")[0] == first_line):
-            break
-        error = cause
-    innermost = error
-    message = str(innermost) if isinstance(innermost, _MESSAGE_SAYS_ALL) else f"{type(innermost).__name__}: {innermost}"
-    if "Does not validate against any of the Union subtypes" in message and (
-        given := re.search(r"Problem with given class_path '(.+)':\s*\n\s*(.+)", message)
-    ):
-        last_class, message = given[1], given[2]
-    if unknown := re.fullmatch(r"Option '(.+)' is not accepted", message):
-        option = ".".join(path + ["init_args", unknown[1]])
-        listed = f" (lit-cancel fit --{path[0]}.help {last_class} lists them)" if len(path) == 1 else ""
-        return f"{option}: {last_class} has no option {unknown[1]!r}{listed}"
-    if path[-1:] == ["objective"] and last_class and re.search(r"has no attribute|No module named|not accessible", message):
-        message += f"; the presets: {', '.join('lit_cancel.' + name for name in _PRESETS)}"
-    if re.search(r"(--|')(optimizer|lr_scheduler)\b", message):
-        message += "; the optimizer and its schedule are options of the module: model.init_args.optimizer and model.init_args.lr_scheduler"
-    where = ".".join(path)
-    if last_class:
-        where = f"{where} ({last_class})" if where else last_class
-    return f"{where}: {message}" if where else message
-
-
-def checkpoint_parameter_names(path: str) -> list[str]:
-    """The parameter names in a lit_cancel checkpoint: a ``.ckpt`` file or the folder a sharded run writes.
-
-    Raises ConfigError saying why when ``path`` is not such a checkpoint. A file is memory-mapped, not read.
-    """
-
-    def refuse(reason: str) -> ConfigError:
-        return ConfigError(f"not a lit_cancel checkpoint: {path} ({reason})")
-
-    location = Path(path)
-    if not location.exists():
-        raise refuse("no such file or folder")
-    if location.is_dir():
-        if not (location / ".metadata").is_file():
-            raise refuse("a folder without the .metadata file of a sharded checkpoint")
-        if incomplete := checkpointing.incomplete_folder(location):
-            raise ConfigError(incomplete)
-        try:
-            keys = FileSystemReader(location).read_metadata().state_dict_metadata
-        except Exception as error:
-            raise refuse(f"its .metadata is unreadable: {error}") from error
-        names = [key.removeprefix("state_dict.") for key in keys if key.startswith("state_dict.")]
-    else:
-        if location.stat().st_size == 0:
-            raise refuse("empty file")
-        if not zipfile.is_zipfile(location):
-            raise refuse("not a file written by torch.save")
-        try:
-            checkpoint = torch.load(location, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as error:
-            raise refuse(f"torch.load failed: {str(error).partition(chr(10))[0]}") from error
-        state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-        if not isinstance(state, dict):
-            raise refuse("no state_dict: not written by a Lightning Trainer")
-        names = list(state)
-    if not any(name.startswith("policy.") for name in names):
-        raise refuse("no policy.* weights in its state_dict")
-    return names
-
-
-def check_checkpoint(path: str, lora: bool, option: str = "--ckpt_path") -> None:
-    """Raises ConfigError unless ``path`` is a lit_cancel checkpoint of the kind the config trains (LoRA or whole model)."""
-    holds_adapters = any(".lora_A." in name or ".lora_B." in name for name in checkpoint_parameter_names(path))
-    if holds_adapters and not lora:
-        raise ConfigError(
-            f"{option} {path} is a LoRA checkpoint (adapters only), but the config trains the whole model: "
-            "use a config with model.init_args.lora as the run had it (like configs/lora.yaml)"
-        )
-    if lora and not holds_adapters:
-        raise ConfigError(
-            f"{option} {path} is a whole-model checkpoint, but the config trains LoRA adapters: "
-            "use a config without model.init_args.lora (like configs/quickstart.yaml)"
-        )
 
 
 class LitCancelCLI(LightningCLI):
@@ -387,87 +242,3 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
         parser_kwargs={"epilog": OTHER_COMMANDS},
         args=args,
     )
-
-
-def debugging() -> bool:
-    """Whether ``LIT_CANCEL_DEBUG`` asks for whole tracebacks instead of the one-line reports."""
-    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
-
-
-def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
-    """A warning as the command prints it: ``warning: message`` on one line, without the file and the source line."""
-    kind = "" if category is UserWarning else f" ({category.__name__})"
-    return f"warning{kind}: {message}\n"
-
-
-def quiet_dependencies() -> None:
-    """Drops what the libraries under the command print on every run and that a user can do nothing about."""
-    # Lightning 2.6 flattens every dataloader with torch's LeafSpec, which torch 2.13 deprecates in a FutureWarning
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-    # Lightning advertises its cloud services at every Trainer it builds
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: not record.getMessage().startswith("💡 Tip"))
-
-
-def main() -> None:
-    """The console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective``, ``serve``, ``diagnose``."""
-    quiet_dependencies()
-    command = sys.argv[1:2]
-    excepthook, formatwarning = threading.excepthook, warnings.formatwarning
-    if not debugging():
-        threading.excepthook = quiet_log_writer_threads(excepthook)
-        warnings.formatwarning = one_line_warning
-    try:
-        if not command:
-            raise ConfigError(f"lit-cancel needs a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} "
-                              "(lit-cancel COMMAND --help lists its options)")
-        if command[0] not in COMMANDS and command[0] not in ("-h", "--help"):
-            raise ConfigError(f"unknown command {command[0]!r}: the commands are {', '.join(COMMANDS[:-1])} and {COMMANDS[-1]} "
-                              "(lit-cancel COMMAND --help lists its options)")
-        if command == ["audit-objective"]:
-            sys.exit(audit.main(sys.argv[2:]))
-        if command == ["diagnose"]:
-            from lit_cancel import diagnose
-
-            sys.exit(diagnose.main(sys.argv[2:]))
-        if command == ["export"]:
-            from lit_cancel.export import export
-
-            export(sys.argv[2:])
-            return
-        if command == ["serve"]:
-            from lit_cancel import vllm_server
-
-            sys.exit(vllm_server.main(sys.argv[2:]))
-        try:
-            run_cli()
-        except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it
-            raise RunStopped("stopped by Ctrl-C (SIGINT) before the run started: nothing to resume", 128 + signal.SIGINT) from stop
-    except ConfigError as error:
-        if debugging():
-            raise
-        sys.stderr.write(f"lit-cancel: nothing was run ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n")
-        sys.exit(2)
-    except RunError as error:
-        if debugging():
-            raise
-        saved = f"the last good step is in {error.checkpoint}" if error.checkpoint else "no checkpoint was written"
-        sys.stderr.write(
-            f"lit-cancel: the run stopped at step {error.step} ({DEBUG_VARIABLE}=1 shows the traceback)\nerror: {error}\n{saved}\n"
-        )
-        sys.exit(1)
-    except RunStopped as stop:
-        if debugging():
-            raise
-        sys.stderr.write(f"lit-cancel: {stop}\n")
-        sys.exit(stop.exit_code)
-    except KeyboardInterrupt:  # export, audit-objective, diagnose: nothing of theirs needs saving
-        if debugging():
-            raise
-        sys.stderr.write(f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)\n")
-        sys.exit(128 + signal.SIGINT)
-    finally:
-        threading.excepthook, warnings.formatwarning = excepthook, formatwarning
-
-
-if __name__ == "__main__":
-    main()

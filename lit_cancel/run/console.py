@@ -9,9 +9,9 @@ INTERRUPTED = 128 + signal.SIGINT
 
 
 def main() -> None:
-    """Loads the command line and runs it (see :func:`lit_cancel.cli.main`)."""
+    """Loads the command line and runs it (see :func:`lit_cancel.run.commands.main`)."""
     try:
-        from lit_cancel.cli import main as run_command
+        from lit_cancel.run.commands import main as run_command
     except KeyboardInterrupt:
         if os.environ.get("LIT_CANCEL_DEBUG", "") not in ("", "0"):
             raise

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_info
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lit_cancel.checkpointing import incomplete_folder
+from lit_cancel.run.checkpointing import incomplete_folder
 
 PLAIN_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
@@ -38,7 +38,7 @@ LOCK_FILE = ".lit-cancel.lock"
 def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
     """Readies the config of ``fit`` or ``validate`` for a run that keeps to its own folder.
 
-    A plain ``ModelCheckpoint`` becomes :class:`~lit_cancel.checkpointing.RunCheckpoint` (same arguments);
+    A plain ``ModelCheckpoint`` becomes :class:`~lit_cancel.run.checkpointing.RunCheckpoint` (same arguments);
     output folders must be writable; ``--ckpt_path last`` becomes the newest ``last.ckpt`` of the config's
     runs; a checkpoint's run folder is continued (its logger version); a new ``fit`` may not start in a
     folder that holds a run's checkpoints unless ``overwrite`` is set, which makes its checkpoints replace

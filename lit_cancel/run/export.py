@@ -9,9 +9,11 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lit_cancel.cli import ConfigError, LitCancelCLI, check_checkpoint, checkpoint_parameter_names
-from lit_cancel.flags import spelled_as_flags
-from lit_cancel.runs import try_writing_in
+from lit_cancel.run.checks import check_checkpoint, checkpoint_parameter_names
+from lit_cancel.run.cli import LitCancelCLI
+from lit_cancel.run.errors import ConfigError
+from lit_cancel.run.flags import spelled_as_flags
+from lit_cancel.run.folders import try_writing_in
 
 
 def _load_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_cancel.checkpointing import RunCheckpoint, RunStopped, _kept, _plain
+from lit_cancel.run.checkpointing import RunCheckpoint, RunStopped, _kept, _plain
 
 
 class LogWriteError(RunStopped):

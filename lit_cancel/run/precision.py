@@ -111,6 +111,6 @@ class Trainer(L.Trainer):
         if precision == AUTO:
             raise ValueError(
                 "precision 'auto' is chosen for a model: lit-cancel's command line does it from model.init_args.model_path; "
-                "in Python pass lit_cancel.precision.auto_precision(model_path).precision"
+                "in Python pass lit_cancel.run.precision.auto_precision(model_path).precision"
             )
         super().__init__(*args, precision=precision, **kwargs)
