@@ -218,7 +218,7 @@ def test_resuming_with_other_round_sizes_names_each_changed_option(tmp_path):
         run_cli(quick_args(tmp_path, 4, *changed))
     message = str(raised.value)
     assert "data.init_args.group_size 4 -> 2" in message
-    assert "model.init_args.objective 'lit_cancel.objectives.presets.GRPO' -> 'lit_cancel.objectives.presets.DrGRPO'" in message
+    assert "model.init_args.objective 'lit_cancel.GRPO' -> 'lit_cancel.DrGRPO'" in message
     assert "prompts_per_round" not in message and "--data.init_args.allow_resume_changes true" in message
     resumed = run_cli(quick_args(tmp_path, 4, *changed, "--data.init_args.allow_resume_changes=true"))
     assert resumed.trainer.global_step == 4
