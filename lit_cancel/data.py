@@ -1,7 +1,5 @@
 """DataModules: held-out prompts for validation, and rollout rounds cut into mini-batches for RL."""
 
-import functools
-
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -10,9 +8,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.plans import MiniBatchPlan, QueryPreserved
-from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
-from lit_cancel.round_warnings import CannotLearnWarnings
+from lit_cancel.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
+from lit_cancel.producer import Processes, RolloutProducer
+from lit_cancel.rollouts import encode_prompts
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
@@ -76,9 +74,10 @@ class RolloutDataModule(TaskDataModule):
     * each step is split into ``trainer.accumulate_grad_batches`` micro-batches (Lightning's own
       option), so a micro-batch has ``rollouts / processes / mini_batches / accumulate`` rollouts.
 
-    A round draws its prompts, samples ``G`` completions of each with the LightningModule's
-    ``rollout()``, scores them with the task's reward and computes advantages with the module's
-    ``objective.advantages`` over each whole group. With ``dynamic_sampling`` (DAPO), groups whose
+    Each round comes from the datamodule's :class:`~lit_cancel.producer.RolloutProducer` (``producer``):
+    it draws the prompts, samples ``G`` completions of each with the LightningModule's engine, scores
+    them with the task's reward and computes advantages with the module's ``objective.advantages``
+    over each whole group. With ``dynamic_sampling`` (DAPO), groups whose
     rewards are all equal are dropped and more prompts drawn, at most ``max_prompt_draws`` draws;
     at the limit the round goes on with the dropped groups refilling its places (their advantages
     are zero, so they add no policy gradient) and logs how many were kept out. The ``plan`` then
@@ -135,11 +134,10 @@ class RolloutDataModule(TaskDataModule):
         self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
         self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
         self.allow_resume_changes = allow_resume_changes
-        self.cannot_learn = CannotLearnWarnings()
+        self.producer = RolloutProducer(task, prompts_per_round, group_size, self.steps_per_round, dynamic_sampling, max_prompt_draws, seed)
         # the room for prompts (context minus max_new_tokens) that every prompt was found to fit in
         self.prompts_fit_in: int | None = None
         self.rounds_done = 0
-        self.prompt_draws = 0
         self.pending: list[RolloutBatch] = []
         self.waiting: RolloutBatch | None = None
         # micro-batches handed to the training step, with the optimizer step they belong to
@@ -219,85 +217,19 @@ class RolloutDataModule(TaskDataModule):
         self.in_flight.append((step, self.pending.pop(0)))
         return self.in_flight[-1][1]
 
-    def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
-        """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
-        records = self.task.train_records()
-        per_rank = self.prompts_per_round // world
-        first = draw * self.prompts_per_round + rank * per_rank
-        picked = []
-        for position in range(first, first + per_rank):
-            epoch, index = divmod(position, len(records))
-            picked.append(records[_permutation(len(records), self.seed + epoch)[index]])
-        return picked
-
-    def _seed(self, *keys: int) -> int:
-        return hash((self.seed, *keys, self.trainer.global_rank)) % 2**63
-
-    def sample_groups(self, draw: int, with_old_logprobs: bool) -> tuple[RolloutBatch, float, float, dict[str, float]]:
-        """Samples and scores one draw of prompts; returns the rollouts, the seconds spent sampling and syncing the
-        engine, and the engine's statistics. An engine that samples ahead is first asked for the next draws."""
-        trainer = self.trainer
-        module = trainer.lightning_module
-        for later in range(draw + 1, draw + 1 + module.engine.max_staleness):
-            self.prefetch(later, rounds_ahead=later - draw)
-        records = self.draw_records(draw, trainer.global_rank, trainer.world_size)
-        return sample_groups(
-            module, self.task, records, self.group_size, seed=self._seed(draw),
-            first_group=(draw * trainer.world_size + trainer.global_rank) * len(records), round_index=self.rounds_done,
-            with_old_logprobs=with_old_logprobs,
-        )
-
-    def prefetch(self, draw: int, rounds_ahead: int) -> None:
-        """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
-        before the one that trains it; that round is at most ``rounds_ahead`` after this one (a round takes one
-        draw or more)."""
-        trainer = self.trainer
-        engine = trainer.lightning_module.engine
-        prompts = self.encode_prompts(self.draw_records(draw, trainer.global_rank, trainer.world_size))
-        oldest_step = trainer.global_step + (rounds_ahead - engine.max_staleness) * self.steps_per_round
-        engine.prefetch(trainer.lightning_module, prompts["input_ids"], prompts["attention_mask"], self.group_size,
-                        self._seed(draw), max(oldest_step, 0))
-
     @property
     def steps_per_round(self) -> int:
         return self.mini_batches_per_round * self.epochs_per_round
-
-    def sample_round(self, with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
-        """This process's groups of the round, after dynamic sampling when it is on, and the round's statistics."""
-        groups_needed = self.prompts_per_round // self.trainer.world_size
-        informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
-        for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent, synced, drawn_stats = self.sample_groups(self.prompt_draws, with_old_logprobs)
-            self.prompt_draws += 1
-            seconds, sync_seconds = seconds + spent, sync_seconds + synced
-            engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
-            flat = draw.rewards.view(-1, self.group_size)
-            varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
-            informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
-            uninformative.append(draw.select(torch.nonzero(~varied).squeeze(1)))
-            if not self.dynamic_sampling:
-                break
-            have = sum(len(b) for b in informative) // self.group_size
-            # every process draws as often as the neediest one, so collectives stay in step
-            short = torch.tensor(float(have < groups_needed), device=draw.input_ids.device)
-            if self.trainer.strategy.reduce(short, reduce_op="sum") == 0:
-                break
-        sampled = RolloutBatch.concat(informative + uninformative)
-        rows = groups_needed * self.group_size
-        kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
-        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, self.trainer.lightning_module.stop_token_ids)
-        engine = self.trainer.lightning_module.engine
-        stats |= engine_stats | staleness_stats(kept, self.trainer.global_step, self.steps_per_round, engine.max_staleness)
-        self.cannot_learn.warn(self.trainer.lightning_module, stats, self.rounds_done + 1)
-        return kept, stats
 
     def make_round(self) -> list[RolloutBatch]:
         """Samples one round with the current policy and plans its micro-batches."""
         steps_per_epoch = self.mini_batches_per_round
         off_policy = steps_per_epoch > 1 or self.epochs_per_round > 1 or self.plan.carries_rollouts
-        fresh, stats = self.sample_round(with_old_logprobs=off_policy)
+        module = self.trainer.lightning_module
+        fresh, stats = self.producer.sample_round(module, module.objective.advantages, Processes.of(self.trainer), self.rounds_done,
+                                                  with_old_logprobs=off_policy)
         pool = fresh if self.waiting is None else RolloutBatch.concat([self.waiting.to(fresh.input_ids.device), fresh])
-        generator = torch.Generator().manual_seed(self._seed(self.rounds_done, -1))
+        generator = torch.Generator().manual_seed(self.producer.seed_of(self.trainer.global_rank, self.rounds_done, -1))
         selection = self.plan.select(pool, len(fresh), self.rounds_done, generator)
         device = pool.input_ids.device
         train = pool.select(selection.train.to(device))
@@ -314,30 +246,9 @@ class RolloutDataModule(TaskDataModule):
         return self.micro_batches(train, steps, stats)
 
     def micro_batches(self, train: RolloutBatch, steps: list[Tensor], stats: dict[str, float]) -> list[RolloutBatch]:
-        """Cuts each step into ``trainer.accumulate_grad_batches`` micro-batches with the step's global counts.
-
-        ``step_sequences`` and ``step_tokens`` count the whole step over all processes, divided by
-        the number of micro-batches that Lightning and DDP average over, so that normalising by
-        them gives the same gradient however the step is split. The first micro-batch of each step
-        carries the round's ``stats`` and the step's own, everything the step logs of them.
-        """
-        accumulation, world = self.trainer.accumulate_grad_batches, self.trainer.world_size
-        device = train.input_ids.device
-        tokens = torch.stack([train.completion_mask[rows.to(device)].sum() for rows in steps]).float()
-        tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
-        batches = []
-        for step, rows in enumerate(steps):
-            signed = train.advantages[rows.to(device)] != 0
-            step_stats = {}
-            if signed.any():
-                step_stats["batch/pos_share"] = ((train.advantages[rows.to(device)] > 0).sum() / signed.sum()).item()
-            for micro, micro_rows in enumerate(rows.chunk(accumulation)):
-                batch = train.select(micro_rows.to(device))
-                batch.step_sequences = len(rows) / accumulation
-                batch.step_tokens = float(tokens[step]) / (world * accumulation)
-                batch.stats = {**stats, **step_stats} if micro == 0 else {}
-                batches.append(batch)
-        return batches
+        """Each step's ``trainer.accumulate_grad_batches`` micro-batches, with the step's global counts (:func:`micro_batches`)."""
+        return micro_batches(train, steps, stats, self.trainer.accumulate_grad_batches, self.trainer.world_size,
+                             Processes.of(self.trainer).sum)
 
     def run_shape(self, objective: object) -> dict[str, object]:
         """The options a checkpoint's rollout state depends on, by their command-line names."""
@@ -383,7 +294,7 @@ class RolloutDataModule(TaskDataModule):
         return {
             "run_shape": self.run_shape(self._objective()),
             "rounds_done": self.rounds_done,
-            "prompt_draws": self.prompt_draws,
+            "prompt_draws": self.producer.prompt_draws,
             "processes": _gathered(own),
         }
 
@@ -394,7 +305,7 @@ class RolloutDataModule(TaskDataModule):
         self.check_resume(state_dict, self._objective(), world)
         processes = _per_process(state_dict)
         own = processes[rank] if len(processes) == world else {"pending": [], "waiting": None}
-        self.rounds_done, self.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
+        self.rounds_done, self.producer.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
         self.pending = [RolloutBatch.from_state(s) for s in own["pending"]]
         self.waiting = None if own["waiting"] is None else RolloutBatch.from_state(own["waiting"])
 
@@ -413,11 +324,6 @@ def _per_process(saved: dict) -> list[dict]:
     return saved.get("processes", [saved])
 
 
-@functools.lru_cache(maxsize=4)
-def _permutation(size: int, seed: int) -> list[int]:
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _class_path(value: object) -> str | None:
     """The class of ``value`` by its public name, ``lit_cancel.GRPO``, where lit_cancel exports it; else by its module."""
     return None if value is None else public_class_path(f"{type(value).__module__}.{type(value).__qualname__}")
@@ -430,12 +336,3 @@ def public_class_path(class_path: str) -> str:
 
     name = class_path.rpartition(".")[2]
     return f"lit_cancel.{name}" if class_path.startswith("lit_cancel.") and name in lit_cancel.__all__ else class_path
-
-
-def groups_split(group_ids: Tensor, steps: list[Tensor]) -> int:
-    """How many groups have rows in more than one of ``steps``."""
-    step_of_row = torch.empty(len(group_ids), dtype=torch.long)
-    for step, rows in enumerate(steps):
-        step_of_row[rows.cpu()] = step
-    pairs = torch.unique(torch.stack([group_ids.cpu(), step_of_row]), dim=1)
-    return int((torch.unique(pairs[0], return_counts=True)[1] > 1).sum())

@@ -1,6 +1,7 @@
 """LightningModules: a policy that samples and is validated, and the RL module that trains it."""
 
 import copy
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import lightning as L
@@ -200,6 +201,11 @@ class PolicyModule(L.LightningModule):
         # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
         sync_seconds += sampled.sync_seconds
         return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
+
+    def precision_context(self) -> AbstractContextManager:
+        """The trainer's precision context (autocast under ``bf16-mixed``), in which rollouts and their log-probs are
+        computed as the training step computes its own."""
+        return self.trainer.precision_plugin.forward_context()
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -8,6 +8,7 @@ proportion, and ``Shuffled`` is the common baseline that scatters them.
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,3 +135,39 @@ class RewardBalanced(MiniBatchPlan):
             for condition in (advantages > 0, advantages < 0, advantages == 0)
         ])
         return [dealt[step::steps] for step in range(steps)]
+
+
+def micro_batches(train: RolloutBatch, steps: list[Tensor], stats: dict[str, float], accumulation: int, world: int,
+                  sum_over_processes: Callable[[Tensor], Tensor]) -> list[RolloutBatch]:
+    """Cuts each of ``steps`` (row indices of ``train``) into ``accumulation`` micro-batches with the step's global counts.
+
+    ``step_sequences`` and ``step_tokens`` count the whole step over all ``world`` processes, divided by
+    the number of micro-batches that Lightning and DDP average over, so that normalising by
+    them gives the same gradient however the step is split. The first micro-batch of each step
+    carries the round's ``stats`` and the step's own, everything the step logs of them.
+    """
+    device = train.input_ids.device
+    tokens = torch.stack([train.completion_mask[rows.to(device)].sum() for rows in steps]).float()
+    tokens = sum_over_processes(tokens)
+    batches = []
+    for step, rows in enumerate(steps):
+        signed = train.advantages[rows.to(device)] != 0
+        step_stats = {}
+        if signed.any():
+            step_stats["batch/pos_share"] = ((train.advantages[rows.to(device)] > 0).sum() / signed.sum()).item()
+        for micro, micro_rows in enumerate(rows.chunk(accumulation)):
+            batch = train.select(micro_rows.to(device))
+            batch.step_sequences = len(rows) / accumulation
+            batch.step_tokens = float(tokens[step]) / (world * accumulation)
+            batch.stats = {**stats, **step_stats} if micro == 0 else {}
+            batches.append(batch)
+    return batches
+
+
+def groups_split(group_ids: Tensor, steps: list[Tensor]) -> int:
+    """How many groups have rows in more than one of ``steps``."""
+    step_of_row = torch.empty(len(group_ids), dtype=torch.long)
+    for step, rows in enumerate(steps):
+        step_of_row[rows.cpu()] = step
+    pairs = torch.unique(torch.stack([group_ids.cpu(), step_of_row]), dim=1)
+    return int((torch.unique(pairs[0], return_counts=True)[1] > 1).sum())

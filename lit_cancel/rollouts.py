@@ -1,16 +1,16 @@
 """One draw of rollouts, top to bottom: prompts -> completions -> rewards (and correctness) -> advantages -> log-probs
 -> RolloutBatch.
 
-Plain functions of the policy module (which holds the tokenizer, ``rollout()``, the objective and
-the reference model), the prompt records and the task. ``RolloutDataModule`` decides which prompts
-to draw and how the result is cut into optimizer steps; validation scores its samples with
-:func:`accuracy_terms`.
+Plain functions of the policy (which holds the tokenizer, ``rollout()`` and the reference model), the
+objective's advantage estimator, the prompt records and the task. :class:`~lit_cancel.producer.RolloutProducer`
+decides which prompts each draw takes, and ``RolloutDataModule`` how a round is cut into optimizer steps; validation
+scores its samples with :func:`accuracy_terms`.
 """
 
 import math
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -113,32 +113,32 @@ def check_reward(task: Task) -> None:
 
 
 def sample_groups(
-    module, task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int, round_index: int,
-    with_old_logprobs: bool,
+    policy, advantages: Callable[[Tensor], Tensor], task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int,
+    round_index: int, with_old_logprobs: bool,
 ) -> tuple[RolloutBatch, float, float, dict[str, float]]:
     """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
     pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
 
-    Sampling is seeded by ``seed`` without touching the global random state. Rows ``i * G .. i * G
-    + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
+    ``policy`` is a :class:`~lit_cancel.producer.RolloutPolicy`; ``advantages`` turns rewards ``[groups, group_size]``
+    into advantages of the same shape. Sampling is seeded by ``seed`` without touching the global random state. Rows
+    ``i * G .. i * G + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
     old and reference log-probs run in the trainer's precision context, as the training step does,
     so that the step's first importance ratios are exactly 1.
     """
-    precision = module.trainer.precision_plugin
-    prompts = encode_prompts(module.tokenizer, records)
+    prompts = encode_prompts(policy.tokenizer, records)
 
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), precision.forward_context():
+    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
         torch.manual_seed(seed)
-        generation = module.rollout(prompts["input_ids"].to(module.device), prompts["attention_mask"].to(module.device), group_size)
+        generation = policy.rollout(prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device), group_size)
     seconds = time.perf_counter() - started
 
     repeated = [r for r in records for _ in range(group_size)]
     rewards = score(task, repeated, generation.texts)
     correct = correctness(task, repeated, generation.texts)
-    advantages = module.objective.advantages(rewards.view(len(records), group_size)).reshape(-1)
-    with precision.forward_context():
-        old_logprobs, ref_logprobs = module.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
+    advantage = advantages(rewards.view(len(records), group_size)).reshape(-1)
+    with policy.precision_context():
+        old_logprobs, ref_logprobs = policy.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
 
     device = generation.input_ids.device
     batch = RolloutBatch(
@@ -147,7 +147,7 @@ def sample_groups(
         completion_mask=generation.completion_mask,
         prompt_length=generation.prompt_length,
         rewards=rewards.to(device),
-        advantages=advantages.to(device),
+        advantages=advantage.to(device),
         group_ids=torch.arange(first_group, first_group + len(records), device=device).repeat_interleave(group_size),
         sampled_round=torch.full((len(records) * group_size,), round_index, device=device),
         old_logprobs=old_logprobs,

@@ -49,8 +49,8 @@ def lit_cancel_script() -> str:
 
 @pytest.fixture(scope="session")
 def split_step():
-    """``tests/split_step.py``, loaded by its path: tests run it as a script in several processes, and call it here."""
-    path = Path(__file__).parent / "split_step.py"
+    """``tests/workers/split_step.py``, loaded by its path: tests run it as a script in several processes, and call it here."""
+    path = Path(__file__).parent / "workers" / "split_step.py"
     spec = importlib.util.spec_from_file_location("lit_cancel_tests_split_step", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

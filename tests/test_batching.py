@@ -72,7 +72,7 @@ def test_dynamic_sampling_never_crashes_and_logs_what_it_dropped():
     stats = record.seen[0][2]
     # three draws of 4 prompts, all with equal rewards: 12 dropped, then 4 refill the round
     assert stats["rollout/dropped_groups"] == 8 and stats["rollout/frac_zero_std_groups"] == 1.0
-    assert data.prompt_draws == 6
+    assert data.producer.prompt_draws == 6
 
 
 class HalfDecided(AdditionTask):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).parent / "ddp_batching.py"
+SCRIPT = Path(__file__).parent / "workers" / "ddp_batching.py"
 
 
 def test_groups_stay_on_their_process_and_step_counts_are_global(tmp_path):

@@ -41,14 +41,14 @@ def test_bad_sizes_are_refused(options, message):
 def test_round_prompts_cover_the_training_set_and_differ_by_rank():
     task = AdditionTask(num_digits=2, train_size=24, val_size=4)
     data = RolloutDataModule(task, prompts_per_round=8, group_size=2, seed=5)
-    one_pass = [r["prompt"] for k in range(3) for r in data.draw_records(k, rank=0, world=1)]
+    one_pass = [r["prompt"] for k in range(3) for r in data.producer.draw_records(k, rank=0, world=1)]
     assert sorted(one_pass) == sorted(r["prompt"] for r in task.train_records())
     assert one_pass != [r["prompt"] for r in task.train_records()]  # shuffled
     # two ranks split the same global round between them
-    halves = data.draw_records(1, rank=0, world=2) + data.draw_records(1, rank=1, world=2)
+    halves = data.producer.draw_records(1, rank=0, world=2) + data.producer.draw_records(1, rank=1, world=2)
     assert [r["prompt"] for r in halves] == one_pass[8:16]
     # the second pass is another permutation
-    assert [r["prompt"] for r in data.draw_records(3, 0, 1)] != one_pass[:8]
+    assert [r["prompt"] for r in data.producer.draw_records(3, 0, 1)] != one_pass[:8]
 
 
 def test_state_dict_round_trip_keeps_unspent_mini_batches():
@@ -58,9 +58,9 @@ def test_state_dict_round_trip_keeps_unspent_mini_batches():
         completion_mask=torch.ones(2, 2, dtype=torch.long), prompt_length=1, rewards=torch.tensor([1.0, 0.0]),
         advantages=torch.tensor([0.7, -0.7]), group_ids=torch.tensor([3, 3]), step_sequences=2, step_tokens=4,
     )
-    data.rounds_done, data.prompt_draws, data.pending, data.waiting = 7, 9, [batch], batch.select(torch.tensor([1]))
+    data.rounds_done, data.producer.prompt_draws, data.pending, data.waiting = 7, 9, [batch], batch.select(torch.tensor([1]))
     restored = RolloutDataModule(AdditionTask(num_digits=2, train_size=100, val_size=5), group_size=2)
     restored.load_state_dict(data.state_dict())
-    assert (restored.rounds_done, restored.prompt_draws) == (7, 9)
+    assert (restored.rounds_done, restored.producer.prompt_draws) == (7, 9)
     assert restored.waiting.advantages.tolist() == pytest.approx([-0.7])
     assert torch.equal(restored.pending[0].advantages, batch.advantages) and restored.pending[0].step_tokens == 4

@@ -11,7 +11,7 @@ from conftest import save_tiny_model
 
 from lit_cancel.vllm_engine import merged_weights
 
-SCRIPT = Path(__file__).parent / "sharded_weights.py"
+SCRIPT = Path(__file__).parent / "workers" / "sharded_weights.py"
 
 
 @pytest.fixture(scope="module")

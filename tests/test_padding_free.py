@@ -15,7 +15,7 @@ from lit_cancel import GRPO, AdditionTask, DFPOMin, LoRA, RLModule, RolloutDataM
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.logprobs import WIDTH_MULTIPLE, length_sorted_chunks, token_budget_chunks, widened
 
-SPLIT_STEP = Path(__file__).parent / "split_step.py"
+SPLIT_STEP = Path(__file__).parent / "workers" / "split_step.py"
 BUDGET = 40  # tokens per decoder chunk: several chunks of a few rows each in the batches below
 
 

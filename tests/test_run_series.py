@@ -153,7 +153,7 @@ def test_rollouts_carry_the_tasks_correctness_beside_a_reward_that_differs_from_
     trainer, module = fit(data, 1, callbacks=[first])
     batch = first.batch
     # the first draw's groups are numbered from 0 (rows are reordered: groups with a reward difference first)
-    records = [data.draw_records(0, rank=0, world=1)[group] for group in batch.group_ids.tolist()]
+    records = [data.producer.draw_records(0, rank=0, world=1)[group] for group in batch.group_ids.tolist()]
     texts = [module.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
              for ids, mask in zip(batch.input_ids[:, batch.prompt_length:], batch.completion_mask)]
     expected = [float(task.correct(r, t)) for r, t in zip(records, texts)]

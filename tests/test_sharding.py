@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from lit_cancel import RLModule
 from lit_cancel.sharding import ModelRoot, shard, total_norm
 
-SCRIPT = Path(__file__).parent / "split_step.py"
+SCRIPT = Path(__file__).parent / "workers" / "split_step.py"
 OBJECTIVES = ["GRPO", "DFPOMin"]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent / "split_step.py"
+SCRIPT = Path(__file__).parent / "workers" / "split_step.py"
 OBJECTIVES = ["GRPO", "DrGRPO", "DAPO", "DFPOMin"]
 
 

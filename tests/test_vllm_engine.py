@@ -33,7 +33,7 @@ from lit_cancel.run.cli import run_cli  # noqa: E402
 from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
-RANKS_SCRIPT = Path(__file__).parent / "vllm_ranks.py"
+RANKS_SCRIPT = Path(__file__).parent / "workers" / "vllm_ranks.py"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the engine's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4

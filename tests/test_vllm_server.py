@@ -254,7 +254,7 @@ def test_a_run_stopped_by_sigterm_with_rollouts_in_flight_resumes_without_counti
     resumed = server_module(server, optimizer=partial(torch.optim.SGD, lr=0.5), engine_options={"max_staleness": 1})
     trainer = fit(resumed, 5, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
     # rounds 3 to 5 sampled once each, after the resume: the draws in flight at the stop were not counted
-    assert trainer.global_step == 5 and trainer.datamodule.prompt_draws == 5
+    assert trainer.global_step == 5 and trainer.datamodule.producer.prompt_draws == 5
     resumed.engine.close()
 
 

@@ -1,6 +1,6 @@
 """The merged weights of a LoRA model sharded with FSDP2 over two CPU processes (run by test_merged_weights.py).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/sharded_weights.py MODEL_FOLDER OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/workers/sharded_weights.py MODEL_FOLDER OUT
 
 Each process builds the same LoRA model, shards it block by block and iterates ``merged_weights``, dropping each weight
 once it has a copy; at each of ``DTensor.full_tensor``'s gathers it counts the tensors gathered before that are still

@@ -17,7 +17,7 @@ from lit_cancel.rollouts import RewardError, score
 from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 def small_task(**kwargs):

@@ -17,7 +17,7 @@ from lit_cancel import AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.progress import StepProgressBar
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 TASK = AdditionTask(num_digits=3, train_size=64, val_size=4, seed=0)
 

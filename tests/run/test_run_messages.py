@@ -23,7 +23,7 @@ from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.round_warnings import WARN_EVERY_N_ROUNDS
 from lit_cancel.run import commands
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 STOPPED_AT = "lit-cancel: the run stopped at step {} (LIT_CANCEL_DEBUG=1 shows the traceback)"
 NOTHING_RUN = "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)"
 

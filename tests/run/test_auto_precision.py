@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from lit_cancel.run import precision
 from lit_cancel.hub import resolve_model_path
+from lit_cancel.run import precision
 from lit_cancel.run.cli import run_cli
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("speedup, chosen", [(2.0, "bf16-mixed"), (1.05, "32-true"), (0.6, "32-true")])

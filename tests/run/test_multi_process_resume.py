@@ -19,8 +19,8 @@ from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError
 from lit_cancel.run.export import export
 
-SCRIPT = Path(__file__).parent / "resume_ranks.py"
-CONFIG = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+SCRIPT = Path(__file__).parents[1] / "workers" / "resume_ranks.py"
+CONFIG = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 SHARDED_CONFIG = CONFIG.with_name("quickstart-fsdp2-cpu.yaml")
 
 

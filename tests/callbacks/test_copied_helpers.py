@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # lit_cancel.objectives.audit's shared_positions is written differently on purpose: the tests check one against the other
 HOLDERS = sorted((ROOT / "callbacks").glob("*.py"))
 COPIED = ("read_contract", "shared_positions", "measuring", "StepSnapshot")

@@ -17,7 +17,7 @@ from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.cli import run_cli as main
 from lit_cancel.run.flags import spelled_as_flags
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 def quick_args(tmp_path, max_steps: int, *extra: str) -> list[str]:

@@ -13,7 +13,7 @@ import yaml
 
 from lit_cancel.run.cli import run_cli
 
-OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint-before-subpackages.ckpt"
+OLD_CHECKPOINT = Path(__file__).parents[1] / "fixtures" / "checkpoint-before-subpackages.ckpt"
 
 
 def old_config(folder: Path, model_path: str) -> Path:

@@ -2,7 +2,7 @@
 each time; rank 1 once, one completion of up to 4 tokens. Each saves its completion lengths and its engine's parallel
 sizes (run by test_vllm_engine.py):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/vllm_ranks.py OUT_PREFIX
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/workers/vllm_ranks.py OUT_PREFIX
 """
 
 import json

@@ -1,6 +1,6 @@
 """A 2-process run that records, per process, the rollouts of every micro-batch it trains on (run by test_sharded_resume.py).
 
-    python tests/resume_ranks.py {ddp,fsdp2} FOLDER MAX_STEPS [--ckpt_path PATH] [--fail_writing_last {kill,full_disk}]
+    python tests/workers/resume_ranks.py {ddp,fsdp2} FOLDER MAX_STEPS [--ckpt_path PATH] [--fail_writing_last {kill,full_disk}]
 
 ``fsdp2`` is ModelParallelStrategy writing sharded checkpoint folders. Checkpoints go to FOLDER/checkpoints; process r
 writes FOLDER/seen-MAX_STEPS-rank{r}.pt: a list of (optimizer step, the micro-batch's input_ids). With

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from lit_cancel.objectives.audit import learning_tax, shared_positions
 
 VOCAB = 12
-CALLBACKS_DIR = Path(__file__).parents[1] / "callbacks"
+CALLBACKS_DIR = Path(__file__).parents[2] / "callbacks"
 
 
 class BigramPolicy(L.LightningModule):

@@ -1,7 +1,7 @@
 """Optimizer steps on fixed rollouts; saves the first step's gradient and the parameters at the end
 (run by test_splitting.py and test_sharding.py).
 
-    python tests/split_step.py OUT.pt --devices 2 --strategy fsdp2 --steps 3 --objectives GRPO DAPO
+    python tests/workers/split_step.py OUT.pt --devices 2 --strategy fsdp2 --steps 3 --objectives GRPO DAPO
 
 With ``--devices 2`` Lightning's launcher starts a second process running this script; ``ddp``
 replicates the model, ``fsdp2`` shards it with ``ModelParallelStrategy``. The rollouts depend only

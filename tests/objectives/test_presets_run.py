@@ -6,7 +6,7 @@ import torch
 from lit_cancel import PRESETS
 from lit_cancel.run.cli import run_cli
 
-QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

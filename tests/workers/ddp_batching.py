@@ -1,6 +1,6 @@
 """Two optimizer steps under 2-process DDP; each process saves what its micro-batches held (run by test_batching_ddp.py).
 
-    python tests/ddp_batching.py OUT_PREFIX
+    python tests/workers/ddp_batching.py OUT_PREFIX
 """
 
 import sys

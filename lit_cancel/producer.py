@@ -1,0 +1,165 @@
+"""The rollout producer: it owns a round's rollouts, from the prompts each draw takes to the scored, advantaged rows.
+
+For each draw of prompts it asks the policy's engine for ``group_size`` completions of each (an engine that samples
+ahead of the trainer is first asked for the next draws, with weights at most ``max_staleness`` rounds old), scores them,
+turns rewards into advantages over each whole group, and records the log-probs the objective needs
+(:func:`lit_cancel.rollouts.sample_groups`, one draw top to bottom). With dynamic sampling (DAPO) it draws again until
+enough groups have a reward difference. What it hands on is the round's rows and statistics; which rows meet in which
+optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business.
+"""
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from lit_cancel.batch import RolloutBatch
+from lit_cancel.engines import RolloutEngine
+from lit_cancel.generation import Generation
+from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
+from lit_cancel.round_warnings import CannotLearnWarnings
+from lit_cancel.tasks import Record, Task
+
+
+class RolloutPolicy(Protocol):
+    """What the producer needs of the policy it samples (:class:`~lit_cancel.PolicyModule` is one)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: list[int]
+    engine: RolloutEngine
+    device: torch.device
+
+    def precision_context(self) -> AbstractContextManager:
+        """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
+
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
+        """Completions of left-padded prompts, sampled by the engine with the current weights."""
+
+    def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
+        """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""
+
+
+@dataclass(frozen=True)
+class Processes:
+    """The processes a round is sampled on: each samples and keeps its own groups.
+
+    Attributes:
+        rank: this process's global rank.
+        world: the number of processes.
+        step: the optimizer steps done, as the trainer counts them.
+        sum: sums a tensor over the processes (identity in one process).
+    """
+
+    rank: int
+    world: int
+    step: Callable[[], int]
+    sum: Callable[[Tensor], Tensor]
+
+    @classmethod
+    def of(cls, trainer) -> "Processes":
+        """A Lightning ``Trainer``'s processes."""
+        return cls(rank=trainer.global_rank, world=trainer.world_size, step=lambda: trainer.global_step,
+                   sum=lambda tensor: trainer.strategy.reduce(tensor, reduce_op="sum"))
+
+
+class RolloutProducer:
+    """Samples the rounds of an RL run: prompts -> engine -> rewards -> group advantages -> log-probs.
+
+    Args:
+        task: where prompts come from and how completions are rewarded.
+        prompts_per_round: prompts per round, summed over processes.
+        group_size: completions sampled per prompt.
+        steps_per_round: optimizer steps each round trains (staleness is counted in rounds).
+        dynamic_sampling: drop groups whose rewards are all equal and draw more prompts.
+        max_prompt_draws: draws per round at most, with dynamic sampling.
+        seed: seed of the prompt order and of the sampling.
+
+    The counter :attr:`prompt_draws` (draws made so far) is the state a resumed run restores.
+    """
+
+    def __init__(self, task: Task, prompts_per_round: int, group_size: int, steps_per_round: int, dynamic_sampling: bool = False,
+                 max_prompt_draws: int = 4, seed: int = 0) -> None:
+        self.task, self.prompts_per_round, self.group_size = task, prompts_per_round, group_size
+        self.steps_per_round, self.dynamic_sampling, self.max_prompt_draws = steps_per_round, dynamic_sampling, max_prompt_draws
+        self.seed = seed
+        self.prompt_draws = 0
+        self.cannot_learn = CannotLearnWarnings()
+
+    def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
+        """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
+        records = self.task.train_records()
+        per_rank = self.prompts_per_round // world
+        first = draw * self.prompts_per_round + rank * per_rank
+        picked = []
+        for position in range(first, first + per_rank):
+            epoch, index = divmod(position, len(records))
+            picked.append(records[_permutation(len(records), self.seed + epoch)[index]])
+        return picked
+
+    def seed_of(self, rank: int, *keys: int) -> int:
+        """A seed for ``keys`` (a draw, a round) on process ``rank``, from the producer's seed."""
+        return hash((self.seed, *keys, rank)) % 2**63
+
+    def sample_round(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
+                     with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
+        """This process's groups of round ``round_index``, after dynamic sampling when it is on, and the round's
+        statistics (``rollout/...``, ``perf/...``)."""
+        groups_needed = self.prompts_per_round // processes.world
+        informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
+        for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
+            draw, spent, synced, drawn_stats = self.sample_draw(policy, advantages, processes, round_index, with_old_logprobs)
+            seconds, sync_seconds = seconds + spent, sync_seconds + synced
+            engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
+            flat = draw.rewards.view(-1, self.group_size)
+            varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
+            informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
+            uninformative.append(draw.select(torch.nonzero(~varied).squeeze(1)))
+            if not self.dynamic_sampling:
+                break
+            have = sum(len(b) for b in informative) // self.group_size
+            # every process draws as often as the neediest one, so collectives stay in step
+            if processes.sum(torch.tensor(float(have < groups_needed), device=draw.input_ids.device)) == 0:
+                break
+        sampled = RolloutBatch.concat(informative + uninformative)
+        rows = groups_needed * self.group_size
+        kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
+        stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, policy.stop_token_ids)
+        stats |= engine_stats | staleness_stats(kept, processes.step(), self.steps_per_round, policy.engine.max_staleness)
+        self.cannot_learn.warn(policy, stats, round_index + 1)
+        return kept, stats
+
+    def sample_draw(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
+                    with_old_logprobs: bool) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+        """Samples and scores the next draw of prompts; returns the rollouts, the seconds spent sampling and syncing the
+        engine, and the engine's statistics. An engine that samples ahead is first asked for the draws after it."""
+        draw = self.prompt_draws
+        for later in range(draw + 1, draw + 1 + policy.engine.max_staleness):
+            self.prefetch(policy, processes, later, rounds_ahead=later - draw)
+        records = self.draw_records(draw, processes.rank, processes.world)
+        sampled = sample_groups(
+            policy, advantages, self.task, records, self.group_size, seed=self.seed_of(processes.rank, draw),
+            first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
+            with_old_logprobs=with_old_logprobs,
+        )
+        self.prompt_draws += 1
+        return sampled
+
+    def prefetch(self, policy: RolloutPolicy, processes: Processes, draw: int, rounds_ahead: int) -> None:
+        """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
+        before the one that trains it; that round is at most ``rounds_ahead`` after this one (a round takes one
+        draw or more)."""
+        engine = policy.engine
+        prompts = encode_prompts(policy.tokenizer, self.draw_records(draw, processes.rank, processes.world))
+        oldest_step = processes.step() + (rounds_ahead - engine.max_staleness) * self.steps_per_round
+        engine.prefetch(policy, prompts["input_ids"], prompts["attention_mask"], self.group_size, self.seed_of(processes.rank, draw),
+                        max(oldest_step, 0))
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(size: int, seed: int) -> list[int]:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
