@@ -3,6 +3,7 @@ the loggers, measures the update ratio, warns once per finding, writes the findi
 and keeps what it read in the checkpoint."""
 
 import math
+import statistics
 import warnings
 
 import lightning as L
@@ -78,6 +79,25 @@ def test_the_update_ratio_is_the_parameters_relative_change_per_step(tmp_path):
     size = sum(float((b**2).sum()) for b in before)
     assert doctor.points["health/update_ratio"][1] == pytest.approx(math.sqrt(change / size), rel=1e-5)
     assert doctor.points["lr"][1] == 0.05
+
+
+def test_a_learning_rate_too_low_is_raised_by_a_factor_sized_from_the_update_ratio(tmp_path):
+    doctor = RunDoctor(every_n_steps=20)
+    fit(tmp_path, Regression(lr=1e-7), doctor, steps=20)
+    (finding,) = doctor.findings
+    ratio = statistics.median(list(doctor.points["health/update_ratio"].values())[10:])  # the last half
+    factor = 1e-4 / ratio  # the policy moves in proportion to the learning rate: this many times more reaches 1e-4
+    assert finding.rule == "learning_rate_too_low" and factor > 50  # 10x would leave it frozen
+    shown = float(finding.remedy.split("raise the learning rate about ")[1].split("x")[0].replace(",", ""))
+    assert 0.5 * factor < shown < 1.5 * factor  # to one figure
+
+
+def test_a_policy_whose_updates_round_away_is_named(tmp_path):
+    doctor = RunDoctor(every_n_steps=20)
+    fit(tmp_path, Regression(lr=1e-9), doctor, steps=20)  # every update is below a float32 parameter's last bit
+    (finding,) = doctor.findings
+    assert finding.rule == "learning_rate_too_low" and "did not change at all" in finding.cause
+    assert "raise the learning rate (now 1e-09) at least 2,000x" in finding.remedy
 
 
 def test_series_logged_straight_to_the_loggers_are_read(tmp_path):
