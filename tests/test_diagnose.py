@@ -308,3 +308,17 @@ def test_quickstart_run_folder(tmp_path, monkeypatch, capsys):
         cli.main()
     assert stop.value.code == 0
     assert "framework lit_cancel, 2 event files" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_trl_run_with_a_constant_reward_is_not_said_to_be_partly_correct(tmp_path, capsys):
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 13):
+        writer.add_scalar("train/reward", 0.5, step)
+        writer.add_scalar("train/frac_reward_zero_std", 1.0, step)
+    writer.close()
+    assert diagnose.main([str(tmp_path), "--rules", "no_reward_difference", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["framework"] == "trl"
+    (finding,) = summary["findings"]
+    assert finding["cause"].startswith("The mean reward is 0.5 at every step")
+    assert "% are correct" not in finding["cause"] and "no rollout/accuracy is logged" in finding["evidence"]
