@@ -28,7 +28,7 @@ def healthy(**overrides) -> dict:
         "health/update_ratio": series(lambda s: 1e-3),
         "health/learning_tax": series(lambda s: 0.05),
         "health/drift_preference_entropy_ratio": series(lambda s: 0.95),
-        "objective/kl_share": series(lambda s: 0.05),
+        "objective/kl_share": series(lambda s: 0.02),  # kl_coef 0.5 on the quickstart
         "lr": series(lambda s: 2e-4),
     }
     points.update(overrides)
@@ -109,6 +109,28 @@ def test_truncation_names_the_limit_and_what_truncated_completions_earn():
 def test_a_kl_term_that_carries_most_credit_is_named_with_its_coefficient():
     (finding,) = found(healthy(**{"objective/kl_share": series(lambda s: 0.8)}), kl_coef=2.0)
     assert finding.rule == "kl_dominates" and "(now 2)" in finding.remedy
+
+
+@pytest.mark.parametrize(("share", "fires"), [(0.11, True), (0.056, True), (0.037, False), (0.022, False)])
+def test_a_kl_that_holds_learning_back_is_named_at_a_small_share_of_the_credit(share, fires):
+    # the quickstart's shares at kl_coef 5 (0.11, where held-out accuracy gained 0.012 against 0.088 without a KL),
+    # 2, 1 and 0.5: a KL keeps under half of the accuracy gained without it from kl_coef 2 on
+    findings = found(healthy(**{"objective/kl_share": series(lambda s: share)}), kl_coef=5.0)
+    assert rules_of(findings) == (["kl_dominates"] if fires else [])
+    if fires:
+        assert f"has a median of {share:.3f} over steps 46-60 (threshold 0.045" in findings[0].evidence
+        assert findings[0].remedy == "lower model.init_args.objective.init_args.kl_coef (now 5) about 10x, or to 0."
+
+
+def test_a_single_step_s_kl_share_does_not_make_a_finding():
+    # kl_coef 1 on the quickstart (seed 102): a step with little policy credit logged 0.184 among values near 0.037
+    spike = found(healthy(**{"objective/kl_share": series(lambda s: 0.184 if s == 58 else 0.037)}))
+    assert spike == []
+
+
+def test_the_kl_remedy_names_trl_s_beta():
+    history = RunHistory.from_points(healthy(**{"objective/kl_share": series(lambda s: 0.3)}), settings={"kl_coef": 0.4}, framework="trl")
+    assert diagnose(history)[0].remedy == "lower beta (now 0.4) about 10x, or to 0."
 
 
 def test_a_frozen_policy_is_a_learning_rate_too_low_unless_groups_carry_no_signal():
