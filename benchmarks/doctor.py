@@ -53,6 +53,7 @@ CASES = [
     Case("learning rate / 10,000", "learning_rate_too_low", (f"{MODEL}.optimizer.init_args.lr=2e-8",)),
     Case("max_new_tokens 20", "truncation", (f"{MODEL}.max_new_tokens=20",)),
     Case("kl_coef 20", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=20",)),
+    Case("kl_coef 5", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=5",)),
     Case("reward ignores the answer", "reward_ignores_answer", (f"{TASK}.reward_fn=doctor_rewards.ignores_answer",)),
     Case("reward always 1", "no_reward_difference", (f"{TASK}.reward_fn=doctor_rewards.always_one",)),
     Case("6-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=6",)),
