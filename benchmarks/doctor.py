@@ -2,6 +2,7 @@
 
     python benchmarks/doctor.py [--seeds 0 1 2] [--steps 40] [--jobs 2] [--out runs/doctor] [--write-docs]
     python benchmarks/doctor.py --from-runs runs/doctor      # diagnose runs made before, without training
+    python benchmarks/doctor.py --kl-sweep --seeds 101 102 103 --steps 60 --out runs/doctor-kl   # calibrates kl_dominates
 
 Each fault is a change to ``configs/quickstart.yaml`` that a user could make (a learning rate, a completion limit, a
 KL coefficient, a reward function, prompts of another difficulty, a sampling temperature); each healthy run is the
@@ -14,6 +15,10 @@ A faulty run counts as right when the first finding at the end names the planted
 step from which the first finding named it at every later check. A healthy run counts as right when nothing is found.
 
 The rules' thresholds were set on calibration runs of seed 100 (``--seeds 100``), not on the seeds of the table.
+
+``--kl-sweep`` trains the quickstart at KL coefficients from 0 to 20 (held-out accuracy at the start, the middle and
+the end) and tables what ``kl_dominates`` reads against the held-out accuracy each strength gains compared with no KL
+term of the same seed; its threshold was set on that sweep, at seeds 101-103, which the table does not use.
 """
 
 import argparse
@@ -25,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_cancel.callbacks.diagnoses import diagnose
+from lit_cancel.callbacks.diagnoses import diagnose, mean, rules_named, tail
 
 from lit_cancel.run_history import read_run
 
@@ -48,6 +53,7 @@ CASES = [
     Case("learning rate / 10,000", "learning_rate_too_low", (f"{MODEL}.optimizer.init_args.lr=2e-8",)),
     Case("max_new_tokens 20", "truncation", (f"{MODEL}.max_new_tokens=20",)),
     Case("kl_coef 20", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=20",)),
+    Case("kl_coef 5", "kl_dominates", (f"{MODEL}.objective.init_args.kl_coef=5",)),
     Case("reward ignores the answer", "reward_ignores_answer", (f"{TASK}.reward_fn=doctor_rewards.ignores_answer",)),
     Case("reward always 1", "no_reward_difference", (f"{TASK}.reward_fn=doctor_rewards.always_one",)),
     Case("6-digit prompts", "no_reward_difference", (f"{TASK}.num_digits=6",)),
@@ -62,13 +68,13 @@ def run_folder(out: Path, case: Case, seed: int) -> Path:
     return out / f"{case.name.replace(' ', '_').replace('/', 'div')}-seed{seed}" / "version_0"
 
 
-def train(case: Case, seed: int, steps: int, out: Path) -> Path:
+def train(case: Case, seed: int, steps: int, out: Path, validate_every: int = 1000) -> Path:
     folder = run_folder(out, case, seed)
     if (folder / "checkpoints" / "last.ckpt").exists():
         return folder  # made by an earlier call
     command = [
         str(Path(sys.executable).parent / "lit-cancel"), "fit", "--config", str(CONFIG), f"--seed_everything={seed}", f"{DATA}.seed={seed}",
-        f"--trainer.max_steps={steps}", "--trainer.val_check_interval=1000", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={validate_every}", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.name={folder.parent.name}", *case.overrides,
     ]
     path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])  # doctor_rewards
@@ -77,6 +83,13 @@ def train(case: Case, seed: int, steps: int, out: Path) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"{case.name} seed {seed} failed:\n{result.stderr[-3000:]}")
     return folder
+
+
+KL_COEFS = [0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
+
+
+def kl_case(coef: float) -> Case:
+    return Case(f"kl_coef {coef:g}", None, (f"{MODEL}.objective.init_args.kl_coef={coef:g}",))
 
 
 def judge(case: Case, folder: Path) -> dict:
@@ -117,6 +130,48 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def kl_sweep(coefs: list[float], seeds: list[int], steps: int, jobs: int, out: Path, train_runs: bool) -> str:
+    """Trains the quickstart at each KL coefficient and seed (held-out accuracy at steps 0, ``steps / 2`` and ``steps``)
+    and tables, per coefficient, what ``kl_dominates`` reads (``objective/kl_share``, median of the last quarter), the held-out
+    accuracy gained against ``kl_coef`` 0 of the same seed, the gradient norm before clipping, and at how many seeds
+    the rule fires at every check (every 10th step) and at some check."""
+    work = [(kl_case(coef), seed) for seed in seeds for coef in coefs]
+    if train_runs:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(lambda item: train(*item, steps, out, validate_every=steps // 2), work))
+    rule = rules_named(["kl_dominates"])
+    measured: dict[float, dict[int, dict]] = {}
+    for case, seed in work:
+        history = read_run(run_folder(out, case, seed))
+        accuracy = dict(zip(history.steps("val/accuracy"), history.values("val/accuracy"), strict=True))
+        measured.setdefault(float(case.overrides[0].split("=")[1]), {})[seed] = {
+            "share": statistics.median(tail(history.values("objective/kl_share"))) if "objective/kl_share" in history else 0.0,
+            "gain": accuracy[steps] - accuracy[0],
+            "grad_norm": mean(tail(history.values("health/grad_norm"))),
+            "fires": [bool(diagnose(history.upto(step), rule)) for step in range(CHECK_EVERY, steps + 1, CHECK_EVERY)],
+        }
+    if 0.0 not in measured:
+        raise SystemExit("--kl-sweep needs kl_coef 0 among the coefficients: the accuracy gained is measured against it")
+    lines = [
+        f"| kl_coef | objective/kl_share, median of the last quarter (per seed) | held-out accuracy gained, steps 0-{steps} (per seed) "
+        f"| gained, mean, against kl_coef 0 | health/grad_norm, last quarter, mean | kl_dominates fires (seeds): at every check "
+        f"({CHECK_EVERY}-{steps}), at some |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = statistics.fmean(measured[0.0][seed]["gain"] for seed in seeds)
+    for coef in sorted(measured):
+        rows = [measured[coef][seed] for seed in seeds]
+        gain = statistics.fmean(row["gain"] for row in rows)
+        shares = ", ".join(f"{row['share']:.3f}" for row in rows)
+        gains = ", ".join(f"{row['gain']:+.3f}" for row in rows)
+        fired = f"{sum(all(row['fires']) for row in rows)}/{len(rows)}, {sum(any(row['fires']) for row in rows)}/{len(rows)}"
+        grad_norm = statistics.fmean(row["grad_norm"] for row in rows)
+        lines.append(f"| {coef:g} | {shares} | {gains} | {gain:+.3f} ({gain / base:.0%}) | {grad_norm:.2f} | {fired} |")
+    lines.append("")
+    lines.append(f"Seeds {', '.join(map(str, seeds))}; {steps} optimizer steps; kl_dominates' threshold {rule[0].max_share}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -126,7 +181,17 @@ def main() -> None:
     parser.add_argument("--from-runs", type=Path, help="diagnose the runs under this folder; train nothing")
     parser.add_argument("--cases", nargs="+", help="only these runs (names as in the table)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/doctor.md")
+    parser.add_argument("--kl-sweep", type=float, nargs="*", metavar="COEF",
+                        help=f"instead of the planted faults, train the quickstart at these KL coefficients (default {KL_COEFS})")
     args = parser.parse_args()
+    if args.kl_sweep is not None:
+        text = kl_sweep(args.kl_sweep or KL_COEFS, args.seeds, args.steps, args.jobs, args.from_runs or args.out, not args.from_runs)
+        print(text)
+        if args.write_docs:
+            coefs = " ".join(f"{coef:g}" for coef in args.kl_sweep or KL_COEFS)
+            write_docs("doctor-kl-sweep", f"python benchmarks/doctor.py --kl-sweep {coefs} --seeds {' '.join(map(str, args.seeds))} "
+                       f"--steps {args.steps}", text)
+        return
     cases = [c for c in CASES if not args.cases or c.name in args.cases]
     out = args.from_runs or args.out
     work = [(case, seed) for case in cases for seed in args.seeds]
@@ -141,12 +206,15 @@ def main() -> None:
     text = table(results, args.seeds)
     print(text)
     if args.write_docs:
-        command = f"python benchmarks/doctor.py --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}"
-        begin, end = "<!-- doctor-benchmark -->", "<!-- /doctor-benchmark -->"
-        docs = DOCS.read_text()
-        block = f"{begin}\n`{command}`\n\n{text}\n{end}"
-        start, stop = docs.index(begin), docs.index(end) + len(end)
-        DOCS.write_text(docs[:start] + block + docs[stop:])
+        write_docs("doctor-benchmark", f"python benchmarks/doctor.py --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}", text)
+
+
+def write_docs(marker: str, command: str, text: str) -> None:
+    """Puts ``command`` and its ``text`` between ``<!-- marker -->`` and ``<!-- /marker -->`` in docs/doctor.md."""
+    begin, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    docs = DOCS.read_text()
+    start, stop = docs.index(begin), docs.index(end) + len(end)
+    DOCS.write_text(docs[:start] + f"{begin}\n`{command}`\n\n{text}\n{end}" + docs[stop:])
 
 
 if __name__ == "__main__":

@@ -60,6 +60,23 @@ SETTINGS = {
     "kl_coef": "weight of the KL term",
     "max_staleness": "the run's bound on staleness, in rounds",
 }
+# where each framework sets what a remedy changes: lit_cancel's config keys (as `lit-cancel fit` takes them), TRL's
+# GRPOConfig fields, verl's config keys
+SETTING_KEYS = {
+    "lit_cancel": {
+        "max_new_tokens": "model.init_args.max_new_tokens",
+        "temperature": "model.init_args.temperature",
+        "kl_coef": "model.init_args.objective.init_args.kl_coef",
+        "group_size": "data.init_args.group_size",
+    },
+    "trl": {"max_new_tokens": "max_completion_length", "temperature": "temperature", "kl_coef": "beta", "group_size": "num_generations"},
+    "verl": {
+        "max_new_tokens": "data.max_response_length",
+        "temperature": "actor_rollout_ref.rollout.temperature",
+        "kl_coef": "algorithm.kl_ctrl.kl_coef",  # the in-reward KL, whose penalty is the loss/kl verl logs
+        "group_size": "actor_rollout_ref.rollout.n",
+    },
+}
 Severity = Literal["severe", "warning"]
 
 
@@ -122,9 +139,17 @@ class RunHistory:
     def last_step(self) -> int:
         return max((s.steps[-1] for s in self.series.values() if len(s)), default=-1)
 
+    @property
+    def first_step(self) -> int:
+        return min((s.steps[0] for s in self.series.values() if len(s)), default=-1)
+
     def upto(self, step: int) -> "RunHistory":
         """The history as it was at ``step``: what a check at that step would have seen."""
         return RunHistory({n: s.upto(step) for n, s in self.series.items()}, dict(self.settings), self.framework)
+
+    def setting_key(self, name: str) -> str:
+        """Where the run's framework sets ``name`` (a name of :data:`SETTING_KEYS`), for a remedy to say."""
+        return SETTING_KEYS.get(self.framework, SETTING_KEYS["lit_cancel"])[name]
 
 
 @dataclass(frozen=True)
@@ -160,6 +185,10 @@ class Rule:
 
     def applies(self, history: RunHistory) -> bool:
         return all(name in history and len(history.series[name]) >= self.min_points for name in self.needs)
+
+    def waits(self, history: RunHistory) -> bool:
+        """Whether the run logs every series the rule needs, but not yet ``min_points`` of each: too early to judge."""
+        return all(name in history for name in self.needs) and not self.applies(history)
 
     def check(self, history: RunHistory) -> Finding | None:
         raise NotImplementedError

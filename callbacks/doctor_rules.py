@@ -21,6 +21,11 @@ def _late(history: RunHistory, name: str, share: float = 0.25) -> float:
     return mean(tail(history.values(name), share))
 
 
+def _one_figure(value: float) -> float:
+    """``value`` rounded to one significant figure (7,712 -> 8,000)."""
+    return round(value, -math.floor(math.log10(value)))
+
+
 def _accuracy(history: RunHistory) -> tuple[str, float] | None:
     """The late accuracy, or the late reward when no accuracy is logged, with the series' name."""
     for name in ("rollout/accuracy", "rollout/reward_mean"):
@@ -76,7 +81,7 @@ class LowTemperature(Rule):
             evidence += f"; health/entropy averages {_late(history, 'health/entropy'):.3f}"
         return self.finding(
             "severe", f"Sampling at temperature {temperature:g} makes a group's samples alike: their rewards do not differ.",
-            evidence + ".", "sample at temperature 1.0 (model.init_args.temperature).", strength=share, history=history,
+            evidence + ".", f"sample at temperature 1.0 ({history.setting_key('temperature')}).", strength=share, history=history,
         )
 
 
@@ -102,31 +107,44 @@ class NoRewardDifference(Rule):
                     f"(threshold {self.warn_share})")
         level = _accuracy(history)
         rewards = history.values("rollout/reward_mean")
+        constant = len(set(rewards)) == 1
+        correct = _late(history, "rollout/accuracy") if "rollout/accuracy" in history else None
+        group_size = history.setting_key("group_size")
+        dynamic_sampling = "data.init_args.dynamic_sampling true" if history.framework == "lit_cancel" else None
         # one reward everywhere while a task's own check finds some completions right and others wrong
-        if rewards and len(set(rewards)) == 1 and level is not None and self.failed < level[1] < self.solved:
+        if constant and correct is not None and self.failed < correct < self.solved:
             cause, remedy = (
-                f"Every rollout gets the same reward ({rewards[0]:g}) though {level[1]:.0%} are correct: the reward does not "
+                f"Every rollout gets the same reward ({rewards[0]:g}) though {correct:.0%} are correct: the reward does not "
                 "depend on the completion.",
                 "check the task's reward function on a correct and a wrong completion: it must score them apart.",
             )
-            evidence += f"; {level[0]} is {level[1]:.2f}"
+            evidence += f"; rollout/accuracy is {correct:.2f}"
+        elif constant and correct is None:
+            cause, remedy = (
+                f"The mean reward is {rewards[0]:g} at every step and most groups get one reward for all their samples: the "
+                "reward may not depend on the completion, or the prompts are solved (or failed) alike; the run logs no "
+                "correctness to tell which.",
+                "check the reward function on a correct and a wrong completion: it must score them apart; if it does, "
+                "train on prompts the policy solves only sometimes.",
+            )
+            evidence += f"; rollout/reward_mean is {rewards[0]:g} at all {len(rewards)} steps logged, and no rollout/accuracy is logged"
         elif level is not None and level[1] >= self.solved:
             cause, remedy = (
                 "The prompts are too easy: most groups solve every sample, so they carry no advantage.",
-                "train on harder prompts (or drop solved ones: data.init_args.dynamic_sampling true).",
+                "train on harder prompts" + (f" (or drop solved ones: {dynamic_sampling})." if dynamic_sampling else "."),
             )
             evidence += f"; {level[0]} is {level[1]:.2f}"
         elif level is not None and level[1] <= self.failed:
             cause, remedy = (
                 "The prompts are too hard: most groups fail every sample, so they carry no advantage.",
-                "train on easier prompts, warm-start with SFT, or raise data.init_args.group_size so that some samples succeed.",
+                f"train on easier prompts, warm-start with SFT, or raise {group_size} so that some samples succeed.",
             )
             evidence += f"; {level[0]} is {level[1]:.2f}"
         else:
             cause, remedy = (
                 "Most groups get one reward for all their samples, so they carry no advantage.",
-                "make the reward finer (partial credit), raise data.init_args.group_size, or drop such groups "
-                "(data.init_args.dynamic_sampling true).",
+                f"make the reward finer (partial credit), raise {group_size}, or drop such groups"
+                + (f" ({dynamic_sampling})." if dynamic_sampling else "."),
             )
         return self.finding(severity, cause, evidence + ".", remedy, strength=share, history=history)
 
@@ -159,9 +177,13 @@ class LearningRateTooHigh(Rule):
                 return f"health/entropy grew {rise:.1f}x (threshold {self.entropy_rise:g}x)"
         if "health/grad_norm" in history:
             norms = history.values("health/grad_norm")
-            jump = max(norms) / max(statistics.median(head(norms)), 1e-12)
-            if jump >= self.spike:
-                return f"health/grad_norm peaked at {jump:.0f}x its early median (threshold {self.spike:g}x)"
+            # a step without a gradient (no group with a reward difference) is no baseline for a spike
+            early = [norm for norm in head(norms) if norm > 0]
+            if early:
+                jump = max(norms) / statistics.median(early)
+                if jump >= self.spike:
+                    return (f"health/grad_norm peaked at {jump:.0f}x the median of its nonzero values in the first quarter "
+                            f"(threshold {self.spike:g}x)")
         return None
 
     def check(self, history: RunHistory) -> Finding | None:
@@ -200,38 +222,54 @@ class Truncation(Rule):
         share = _late(history, "rollout/frac_truncated")
         if share < self.warn_share:
             return None
-        evidence = (f"rollout/frac_truncated averages {share:.2f} over {_steps(history, 'rollout/frac_truncated')} "
-                    f"(threshold {self.warn_share})")
-        if "rollout/reward_truncated" in history and "rollout/reward_finished" in history:
-            evidence += (f"; truncated completions earn {_late(history, 'rollout/reward_truncated'):.2f} "
-                         f"against {_late(history, 'rollout/reward_finished'):.2f} for finished ones")
+        steps = tail(history.steps("rollout/frac_truncated"))
+        evidence = f"rollout/frac_truncated averages {share:.2f} over steps {steps[0]}-{steps[-1]} (threshold {self.warn_share})"
+
+        def over_those_steps(name: str) -> list[float]:
+            return [value for step, value in zip(history.steps(name), history.values(name)) if steps[0] <= step <= steps[-1]]
+
+        # a step logs a reward only for the kind of completion it had
+        truncated, finished = over_those_steps("rollout/reward_truncated"), over_those_steps("rollout/reward_finished")
+        if truncated and finished:
+            evidence += f"; truncated completions earn {mean(truncated):.2f} against {mean(finished):.2f} for finished ones"
+        elif truncated:
+            evidence += f"; truncated completions earn {mean(truncated):.2f}, and no completion finished in those steps"
+        key = history.setting_key("max_new_tokens")
         limit = history.settings.get("max_new_tokens")
-        remedy = (f"raise model.init_args.max_new_tokens (now {limit:g}) to about {2 * limit:g}" if limit
-                  else "raise the completion limit (max_new_tokens) about 2x") + ", or penalise length in the reward."
-        return self.finding("severe" if share >= self.severe_share else "warning",
-                            "Completions are cut off at max_new_tokens.", evidence + ".", remedy, strength=share, history=history)
+        remedy = f"raise {key} (now {limit:g}) to about {2 * limit:g}" if limit else f"raise {key} about 2x"
+        remedy += ", or penalise length in the reward."
+        return self.finding("severe" if share >= self.severe_share else "warning", f"Completions are cut off at {key.split('.')[-1]}.",
+                            evidence + ".", remedy, strength=share, history=history)
 
 
 @register
 class KLDominates(Rule):
-    """The KL term to the reference carries most of the per-token credit: the policy is held at the reference."""
+    """The KL term to the reference holds learning back. It does so at a small share of the per-token credit
+    (``objective/kl_share``): its credit pulls every token towards the reference, while the policy term's credit
+    largely cancels across a group's samples, so the KL carries much more of the net update than of the credit (the
+    gradient norm before clipping grows several-fold with it). The share settles within the first steps and grows
+    with the coefficient, so it tells a weak KL from a strong one at the first check."""
 
     name = "kl_dominates"
     needs = ("objective/kl_share",)
     rank = 50
-    max_share = 0.2
+    # benchmarks/doctor.py --kl-sweep: on the quickstart, kl_coef 2 (share 0.054-0.056) kept 36% of the held-out accuracy
+    # gained without a KL in 60 steps, kl_coef 1 (0.034-0.036) 51%, kl_coef 0.5 (0.021-0.022) 84%
+    max_share = 0.045
 
     def check(self, history: RunHistory) -> Finding | None:
-        share = _late(history, "objective/kl_share")
+        # the median: a step with few groups carrying a reward difference has little policy credit, and a spike of share
+        share = statistics.median(tail(history.values("objective/kl_share")))
         if share < self.max_share:
             return None
+        key = history.setting_key("kl_coef")
         coef = history.settings.get("kl_coef")
-        remedy = (f"lower objective.init_args.kl_coef (now {coef:g}) about 10x, or to 0" if coef
-                  else "lower the KL coefficient (beta) about 10x, or to 0")
         return self.finding(
-            "warning", "The KL penalty dominates the update: the policy is pinned to the reference.",
-            f"objective/kl_share averages {share:.2f} over {_steps(history, 'objective/kl_share')} (threshold {self.max_share}).",
-            remedy + ".", strength=share, history=history,
+            "warning", "The KL penalty holds learning back: it keeps the policy near the reference.",
+            f"objective/kl_share has a median of {share:.3f} over {_steps(history, 'objective/kl_share')} (threshold {self.max_share}: "
+            "the KL's credit pulls every token the same way, the policy's largely cancels within a group).",
+            f"lower {key}" + (f" (now {coef:g})" if coef else "") + " about 10x, or to 0.",
+            strength=share, history=history,
         )
 
 
@@ -244,6 +282,7 @@ class PolicyFrozen(Rule):
     needs = ("health/update_ratio",)
     rank = 60
     max_ratio = 1e-5
+    target_ratio = 1e-4  # what the remedy aims at: 10x the threshold (the quickstart learns at 1e-3)
     max_zero_std = 0.6  # with more groups than this without a reward difference, another rule explains the stall
 
     def check(self, history: RunHistory) -> Finding | None:
@@ -252,13 +291,27 @@ class PolicyFrozen(Rule):
             return None
         if "rollout/frac_zero_std_groups" in history and _late(history, "rollout/frac_zero_std_groups") >= self.max_zero_std:
             return None
+        evidence = (f"health/update_ratio has a median of {ratio:.1e} over {_steps(history, 'health/update_ratio', 0.5)} "
+                    f"(threshold {self.max_ratio:.0e}).")
         lr = _late(history, "lr") if "lr" in history else None
+        strength = math.log10(self.max_ratio / max(ratio, 1e-30))
+        if ratio == 0:
+            # an update below half a float32 parameter's last bit (2**-24 of it) rounds away: the run moved less than that
+            at_least = _one_figure(self.target_ratio / 2**-24)
+            return self.finding(
+                "warning", "The policy does not move: its parameters did not change at all.", evidence,
+                "check that the optimizer holds the policy's trainable parameters; if it does, their updates are lost to "
+                f"rounding: raise the learning rate{f' (now {lr:.2g})' if lr else ''} at least {at_least:,.0f}x, so that "
+                f"health/update_ratio reaches about {self.target_ratio:.0e}.",
+                strength=strength, history=history,
+            )
+        factor = _one_figure(self.target_ratio / ratio)
+        to = f" (from {lr:.2g} to about {lr * factor:.1g})" if lr else ""
         return self.finding(
-            "warning", "The learning rate is too low: the policy barely moves.",
-            f"health/update_ratio has a median of {ratio:.1e} over {_steps(history, 'health/update_ratio', 0.5)} "
-            f"(threshold {self.max_ratio:.0e}).",
-            "raise the learning rate about 10x" + (f" (from {lr:.2g})" if lr else "") + ".",
-            strength=math.log10(self.max_ratio / max(ratio, 1e-30)), history=history,
+            "warning", "The learning rate is too low: the policy barely moves.", evidence,
+            f"raise the learning rate about {factor:,.0f}x{to}, so that health/update_ratio reaches about {self.target_ratio:.0e} "
+            "(it grows in proportion to the learning rate).",
+            strength=strength, history=history,
         )
 
 

@@ -72,6 +72,7 @@ class RunDoctor(Callback):
         self.settings = dict(settings or {})
         self.points: dict[str, dict[int, float]] = {}
         self.findings: list[Finding] | None = None  # None until the first check
+        self._reported_state: tuple[list[str], bool] | None = None  # the findings' rules, and whether it was too early
         self.reported: dict[str, int] = {}  # rule name: the step it was first reported at
         self._before: list[torch.Tensor] | None = None
         self._wrapped: list[tuple[Any, Any]] = []
@@ -157,9 +158,12 @@ class RunDoctor(Callback):
     def check(self, trainer: "pl.Trainer", step: int) -> list[Finding]:
         """Runs the rules on what was read up to ``step``; warns of new findings, writes them to TensorBoard, and with
         ``action="stop"`` stops the run on a severe one (every process decides as rank 0 did)."""
-        findings = diagnose(self.history(), self.rules) if trainer.is_global_zero else []
-        changed = self.findings is None or [f.rule for f in findings] != [f.rule for f in self.findings]
-        self.findings = findings
+        history = self.history()
+        findings = diagnose(history, self.rules) if trainer.is_global_zero else []
+        waiting = [rule.name for rule in self.rules if rule.waits(history)]
+        state = ([f.rule for f in findings], not findings and bool(waiting))
+        changed = state != self._reported_state
+        self.findings, self._reported_state = findings, state
         for finding in findings:
             if finding.rule not in self.reported:
                 self.reported[finding.rule] = step
@@ -167,7 +171,7 @@ class RunDoctor(Callback):
         if changed and trainer.is_global_zero:
             for logger in trainer.loggers:
                 if hasattr(getattr(logger, "experiment", None), "add_text"):
-                    logger.experiment.add_text("doctor/findings", findings_markdown(findings), global_step=step)
+                    logger.experiment.add_text("doctor/findings", findings_markdown(findings, waiting), global_step=step)
         severe = any(f.severity == "severe" for f in findings)
         if self.action == "stop" and trainer.strategy.broadcast(severe):
             trainer.should_stop = True
@@ -183,8 +187,12 @@ class RunDoctor(Callback):
         self.reported = dict(state_dict["reported"])
 
 
-def findings_markdown(findings: list[Finding]) -> str:
-    """The findings as a Markdown table, most likely cause first (TensorBoard's Text tab renders it)."""
+def findings_markdown(findings: list[Finding], waiting: list[str] = ()) -> str:
+    """The findings as a Markdown table, most likely cause first (TensorBoard's Text tab renders it); without one,
+    whether it is too early to tell (``waiting``: the rules that have their series but too few points)."""
+    if not findings and waiting:
+        verb = "has" if len(waiting) == 1 else "have"
+        return f"Too early to tell: no cause found yet, but {', '.join(waiting)} {verb} too few points to judge."
     if not findings:
         return "No finding: nothing the rules know of is holding the run back."
     rows = ["| # | severity | cause | evidence | remedy |", "|---|---|---|---|---|"]

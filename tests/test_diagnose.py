@@ -1,4 +1,6 @@
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -191,9 +193,69 @@ def test_findings_most_likely_cause_first_and_exit_codes(test_rules, learning_ru
     assert set(summary["series_missing"]) == set(SERIES) - {"rollout/reward_mean", "health/entropy"}
     assert diagnose.main([str(learning_run), "--rules", "test_low_reward", "test_mismatch"]) == 0  # reward 0.5 at step 9
     assert "no finding: the 1 of 2 diagnoses that could run found no cause" in " ".join(capsys.readouterr().out.split())
-    assert diagnose.main([str(learning_run), "--at-step", "2"]) == 0  # too few points for any
     assert diagnose.main([str(learning_run), "--rules", "nonexistent"]) == 2
     assert capsys.readouterr().err.startswith("lit-cancel diagnose: --rules: unknown diagnoses ['nonexistent']")
+
+
+def test_a_run_read_too_early_is_not_called_healthy(test_rules, learning_run, capsys):
+    # 3 points at step 2: both rules whose series are logged need 4
+    assert diagnose.main([str(learning_run), "--at-step", "2"]) == 3
+    report = " ".join(capsys.readouterr().out.split())
+    assert "too early to tell: 2 of 3 diagnoses have too few points yet to judge (they need 4; 3 steps logged)" in report
+    assert diagnose.main([str(learning_run), "--at-step", "2", "--json"]) == 3
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verdict"] == "too_early" and summary["findings"] == [] and summary["rules_run"] == []
+    assert summary["rules_waiting"] == {"test_low_reward": 4, "test_high_entropy": 4}
+    # one rule judged and found nothing while another still waits: too early still
+    writer = SummaryWriter(str(learning_run))
+    for step in range(10):
+        writer.add_scalar("rollout/logprob_mismatch", 0.0, step)
+    writer.close()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NeedsMismatch, "min_points", 2)
+        assert diagnose.main([str(learning_run), "--at-step", "2", "--rules", "test_mismatch", "test_low_reward"]) == 3
+        assert "; the 1 that could run found no cause" in " ".join(capsys.readouterr().out.split())
+        assert diagnose.main([str(learning_run), "--rules", "test_mismatch", "test_low_reward"]) == 0
+
+
+def test_at_step_outside_the_run(test_rules, learning_run, capsys):
+    assert diagnose.main([str(learning_run), "--at-step", "-5"]) == 2
+    assert capsys.readouterr() == ("", "lit-cancel diagnose: --at-step: a step number >= 0 is expected, got -5\n")
+    assert diagnose.main([str(learning_run), "--at-step", "1000"]) == 1
+    report = " ".join(capsys.readouterr().out.split())
+    assert "note: --at-step 1000 is past the run's last logged step, 9: the whole run is diagnosed" in report
+    assert "steps 0-9 (10 logged)" in report
+    assert diagnose.main([str(learning_run), "--at-step", "1000", "--json", "--rules", "test_low_reward"]) == 0  # 0.5 at step 9
+    assert json.loads(capsys.readouterr().out)["at_step"] == 1000
+    late = learning_run.parent / "late"
+    write_run(late, ["rollout/reward_mean"], [5, 6])
+    assert diagnose.main([str(late), "--at-step", "4"]) == 2
+    assert capsys.readouterr().err == "lit-cancel diagnose: --at-step 4: the run's first logged step is 5: nothing to diagnose before it\n"
+
+
+def test_a_run_without_a_series_any_diagnosis_reads_is_not_called_healthy(test_rules, learning_run, capsys):
+    assert diagnose.main([str(learning_run), "--rules", "test_mismatch"]) == 2
+    assert capsys.readouterr() == (
+        "", f"lit-cancel diagnose: {learning_run}: no diagnosis could run: the run logs none of the series they read "
+        "(rollout/logprob_mismatch)\n"
+    )
+
+
+@pytest.mark.parametrize(("as_json", "steps", "status"), [(False, 12, 0), (True, 5, 3)])
+def test_the_exit_status_is_the_diagnosis_s_when_the_reader_of_the_output_is_gone(tmp_path, as_json, steps, status):
+    """``lit-cancel diagnose RUN | head -1``: the reader closes the pipe after the first line; here before any."""
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(steps):  # no truncation; 5 points are too few to judge
+        writer.add_scalar("rollout/frac_truncated", 0.0, step)
+    writer.close()
+    reader, writer = os.pipe()
+    os.close(reader)  # every write fails, as after head -1 has gone
+    command = [sys.executable, "-m", "lit_cancel.cli", "diagnose", str(tmp_path)] + (["--json"] if as_json else [])
+    try:
+        result = subprocess.run(command, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+    assert (result.returncode, result.stderr) == (status, "")
 
 
 def test_folders_that_cannot_be_read(tmp_path, capsys, monkeypatch):
@@ -241,9 +303,23 @@ def test_quickstart_run_folder(tmp_path, monkeypatch, capsys):
     events.Reload()
     for name in ["rollout/reward_mean", "health/entropy", "health/grad_norm", "objective/clip_frac_low", "loss/kl"]:
         assert history.values(name) == tuple(e.value for e in events.Scalars(name)), name
-    monkeypatch.setattr(diagnoses, "RULES", {})
     monkeypatch.setattr(sys, "argv", ["lit-cancel", "diagnose", str(log_dir)])
     with pytest.raises(SystemExit) as stop:
         commands.main()
-    assert stop.value.code == 0
-    assert "framework lit_cancel, 2 event files" in " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 3  # 3 points: too early for every rule
+    report = " ".join(capsys.readouterr().out.split())
+    assert "framework lit_cancel, 2 event files" in report and "too early to tell:" in report
+
+
+def test_a_trl_run_with_a_constant_reward_is_not_said_to_be_partly_correct(tmp_path, capsys):
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 13):
+        writer.add_scalar("train/reward", 0.5, step)
+        writer.add_scalar("train/frac_reward_zero_std", 1.0, step)
+    writer.close()
+    assert diagnose.main([str(tmp_path), "--rules", "no_reward_difference", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["framework"] == "trl"
+    (finding,) = summary["findings"]
+    assert finding["cause"].startswith("The mean reward is 0.5 at every step")
+    assert "% are correct" not in finding["cause"] and "no rollout/accuracy is logged" in finding["evidence"]

@@ -28,7 +28,7 @@ def healthy(**overrides) -> dict:
         "health/update_ratio": series(lambda s: 1e-3),
         "health/learning_tax": series(lambda s: 0.05),
         "health/drift_preference_entropy_ratio": series(lambda s: 0.95),
-        "objective/kl_share": series(lambda s: 0.05),
+        "objective/kl_share": series(lambda s: 0.02),  # kl_coef 0.5 on the quickstart
         "lr": series(lambda s: 2e-4),
     }
     points.update(overrides)
@@ -111,6 +111,28 @@ def test_a_kl_term_that_carries_most_credit_is_named_with_its_coefficient():
     assert finding.rule == "kl_dominates" and "(now 2)" in finding.remedy
 
 
+@pytest.mark.parametrize(("share", "fires"), [(0.11, True), (0.056, True), (0.037, False), (0.022, False)])
+def test_a_kl_that_holds_learning_back_is_named_at_a_small_share_of_the_credit(share, fires):
+    # the quickstart's shares at kl_coef 5 (0.11, where held-out accuracy gained 0.012 against 0.088 without a KL),
+    # 2, 1 and 0.5: a KL keeps under half of the accuracy gained without it from kl_coef 2 on
+    findings = found(healthy(**{"objective/kl_share": series(lambda s: share)}), kl_coef=5.0)
+    assert rules_of(findings) == (["kl_dominates"] if fires else [])
+    if fires:
+        assert f"has a median of {share:.3f} over steps 46-60 (threshold 0.045" in findings[0].evidence
+        assert findings[0].remedy == "lower model.init_args.objective.init_args.kl_coef (now 5) about 10x, or to 0."
+
+
+def test_a_single_step_s_kl_share_does_not_make_a_finding():
+    # kl_coef 1 on the quickstart (seed 102): a step with little policy credit logged 0.184 among values near 0.037
+    spike = found(healthy(**{"objective/kl_share": series(lambda s: 0.184 if s == 58 else 0.037)}))
+    assert spike == []
+
+
+def test_the_kl_remedy_names_trl_s_beta():
+    history = RunHistory.from_points(healthy(**{"objective/kl_share": series(lambda s: 0.3)}), settings={"kl_coef": 0.4}, framework="trl")
+    assert diagnose(history)[0].remedy == "lower beta (now 0.4) about 10x, or to 0."
+
+
 def test_a_frozen_policy_is_a_learning_rate_too_low_unless_groups_carry_no_signal():
     frozen = {"health/update_ratio": series(lambda s: 1e-8)}
     (finding,) = found(healthy(**frozen))
@@ -179,3 +201,55 @@ def test_rules_are_registered_once_and_unknown_names_are_refused():
 
     with pytest.raises(ValueError, match="a diagnosis named 'truncation' is registered already"):
         register(Impostor)
+
+
+def test_a_constant_reward_without_a_correctness_series_claims_no_correctness():
+    # a TRL run logs its reward, never whether a completion is correct
+    points = {"rollout/reward_mean": series(lambda s: 0.5), "rollout/frac_zero_std_groups": series(lambda s: 1.0)}
+    (finding,) = diagnose(RunHistory.from_points(points, framework="trl"))
+    assert finding.rule == "no_reward_difference" and "are correct" not in finding.cause
+    assert finding.cause.startswith("The mean reward is 0.5 at every step") and "logs no correctness" in finding.cause
+    assert "rollout/reward_mean is 0.5 at all 60 steps logged, and no rollout/accuracy is logged" in finding.evidence
+
+
+@pytest.mark.parametrize(
+    ("framework", "key"),
+    [("lit_cancel", "model.init_args.max_new_tokens"), ("trl", "max_completion_length"), ("verl", "data.max_response_length")],
+)
+def test_the_truncation_remedy_names_the_framework_s_own_limit(framework, key):
+    points = healthy(**{"rollout/frac_truncated": series(lambda s: 0.6)})
+    (finding,) = diagnose(RunHistory.from_points(points, settings={"max_new_tokens": 256}, framework=framework))
+    assert finding.remedy == f"raise {key} (now 256) to about 512, or penalise length in the reward."
+    assert finding.cause == f"Completions are cut off at {key.split('.')[-1]}."
+
+
+def test_truncation_evidence_compares_rewards_over_the_same_steps():
+    points = healthy(**{
+        "rollout/frac_truncated": series(lambda s: 0.5 if s <= 20 else 1.0),
+        "rollout/reward_truncated": series(lambda s: 0.0),
+        "rollout/reward_finished": series(lambda s: 0.8, steps=20),  # a step logs it only when some completion finished
+    })
+    (finding,) = found(points)
+    assert "over steps 46-60" in finding.evidence
+    assert "truncated completions earn 0.00, and no completion finished in those steps" in finding.evidence
+
+
+def test_the_learning_rate_remedy_is_sized_from_the_update_ratio():
+    (finding,) = found(healthy(**{"health/update_ratio": series(lambda s: 2e-9), "lr": series(lambda s: 1e-9)}))
+    assert finding.rule == "learning_rate_too_low"
+    assert "raise the learning rate about 50,000x (from 1e-09 to about 5e-05)" in finding.remedy  # 1e-4 / 2e-9
+    # parameters that do not change at all give no ratio to size from: a float32 parameter moved less than 2**-24
+    (frozen,) = found(healthy(**{"health/update_ratio": series(lambda s: 0.0), "lr": series(lambda s: 1e-9)}))
+    assert "did not change at all" in frozen.cause
+    assert "raise the learning rate (now 1e-09) at least 2,000x" in frozen.remedy  # 1e-4 * 2**24 = 1,678
+
+
+def test_a_gradient_spike_is_measured_against_the_early_steps_that_had_a_gradient():
+    rise_fall = lambda s: 0.2 + 0.5 * s / 20 if s <= 20 else max(0.05, 0.7 - 0.6 * (s - 20) / 20)  # noqa: E731
+    without_gradient_at_first = {"rollout/reward_mean": series(rise_fall), "health/grad_norm": series(lambda s: 0.0 if s <= 15 else 0.35)}
+    assert "learning_rate_too_high" not in rules_of(found(healthy(**without_gradient_at_first)))
+    # the first quarter (steps 1-15): 8 steps without a gradient, 7 with norm 1
+    spiking = {"rollout/reward_mean": series(rise_fall),
+               "health/grad_norm": series(lambda s: (float(s % 2 == 0) if s <= 15 else 40.0 if s > 25 else 1.0))}
+    finding = found(healthy(**spiking))[0]
+    assert finding.rule == "learning_rate_too_high" and "peaked at 40x the median of its nonzero values" in finding.evidence

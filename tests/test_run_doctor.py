@@ -3,6 +3,7 @@ the loggers, measures the update ratio, warns once per finding, writes the findi
 and keeps what it read in the checkpoint."""
 
 import math
+import statistics
 import warnings
 
 import lightning as L
@@ -66,7 +67,21 @@ def test_a_finding_is_warned_once_and_written_to_tensorboard(tmp_path):
     events = EventAccumulator(trainer.logger.log_dir)
     events.Reload()
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("doctor/findings/text_summary")]
-    assert texts[0].startswith("No finding") and "Completions are cut off" in texts[-1]
+    # at step 5 the rules whose series are logged have 6 of the 10 points they judge from
+    assert texts == [texts[0], texts[-1]] and texts[0] == "Too early to tell: no cause found yet, but truncation, learning_rate_too_low have too few points to judge."
+    assert "Completions are cut off" in texts[-1]
+
+
+def test_a_check_before_the_rules_have_their_points_is_too_early_not_healthy(tmp_path):
+    trainer, warned = fit(tmp_path, Regression(truncated=0.0), RunDoctor(every_n_steps=5), steps=12)
+    events = EventAccumulator(trainer.logger.log_dir)
+    events.Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("doctor/findings/text_summary")]
+    assert texts == [  # 6 points of each series at step 5, 11 at step 10
+        "Too early to tell: no cause found yet, but truncation, learning_rate_too_low have too few points to judge.",
+        "No finding: nothing the rules know of is holding the run back.",
+    ]
+    assert warned == []
 
 
 def test_the_update_ratio_is_the_parameters_relative_change_per_step(tmp_path):
@@ -78,6 +93,29 @@ def test_the_update_ratio_is_the_parameters_relative_change_per_step(tmp_path):
     size = sum(float((b**2).sum()) for b in before)
     assert doctor.points["health/update_ratio"][1] == pytest.approx(math.sqrt(change / size), rel=1e-5)
     assert doctor.points["lr"][1] == 0.05
+
+
+def test_a_learning_rate_too_low_is_raised_by_a_factor_sized_from_the_update_ratio(tmp_path):
+    doctor = RunDoctor(every_n_steps=20)
+    torch.manual_seed(0)
+    fit(tmp_path, Regression(lr=1e-7), doctor, steps=20)
+    (finding,) = doctor.findings
+    ratio = statistics.median(list(doctor.points["health/update_ratio"].values())[10:])  # the last half
+    factor = 1e-4 / ratio  # the policy moves in proportion to the learning rate: this many times more reaches 1e-4
+    assert finding.rule == "learning_rate_too_low" and factor > 50  # 10x would leave it frozen
+    shown = float(finding.remedy.split("raise the learning rate about ")[1].split("x")[0].replace(",", ""))
+    assert 0.5 * factor < shown < 1.5 * factor  # to one figure
+
+
+def test_a_policy_whose_updates_round_away_is_named(tmp_path):
+    doctor = RunDoctor(every_n_steps=20)
+    module = Regression(lr=1e-9)
+    nn.init.constant_(module.layer.weight, 0.5)
+    nn.init.constant_(module.layer.bias, 0.5)
+    fit(tmp_path, module, doctor, steps=20)  # updates of about 1e-9, below half the last bit of 0.5 (3e-8)
+    (finding,) = doctor.findings
+    assert finding.rule == "learning_rate_too_low" and "did not change at all" in finding.cause
+    assert "raise the learning rate (now 1e-09) at least 2,000x" in finding.remedy
 
 
 def test_series_logged_straight_to_the_loggers_are_read(tmp_path):
