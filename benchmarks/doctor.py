@@ -9,7 +9,7 @@ KL coefficient, a reward function, prompts of another difficulty, a sampling tem
 quickstart or another shipped objective. Prompts too easy cannot be planted on the shipped model, which adds 3-digit
 numbers only (it solves no 1- or 2-digit sum): that side of ``no_reward_difference`` is tested on synthetic series.
 Every (fault, seed) trains the shipped tiny model for ``--steps`` optimizer
-steps with ``lit-cancel fit`` (the run doctor's callback is in the config), then ``lit_cancel.run_history.read_run``
+steps with ``lit-cancel fit`` (the run doctor's callback is in the config), then ``lit_cancel.callbacks.doctor.history.read_run``
 reads its event files and the rules diagnose them as ``lit-cancel diagnose`` does, at every 10th step and at the end.
 A faulty run counts as right when the first finding at the end names the planted cause; "known at" is the first
 step from which the first finding named it at every later check. A healthy run counts as right when nothing is found.
@@ -30,9 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_cancel.callbacks.diagnoses import diagnose, mean, rules_named, tail
-
-from lit_cancel.run_history import read_run
+from lit_cancel.callbacks.doctor.diagnoses import diagnose, mean, rules_named, tail
+from lit_cancel.callbacks.doctor.history import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"

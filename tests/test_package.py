@@ -20,9 +20,9 @@ def test_importing_the_callbacks_loads_neither_the_models_nor_the_rest_of_the_pa
     # transformers may come with torchmetrics itself; what lit_cancel's own modules would add must not
     assert not roots & {"peft", "datasets", "jsonargparse", "safetensors"}
     ours = {name for name in listing if name.startswith("lit_cancel")}
-    assert ours == {"lit_cancel", "lit_cancel.callbacks", *(f"lit_cancel.callbacks.{f}" for f in
-                    ("diagnoses", "doctor_rules", "entropy_collapse", "learning_tax", "rollout_samples", "run_doctor", "solution_drift",
-                     "token_flip"))}
+    assert ours == {"lit_cancel", "lit_cancel.callbacks", "lit_cancel.callbacks.doctor", *(f"lit_cancel.callbacks.{f}" for f in
+                    ("doctor.diagnoses", "doctor.rule_book", "doctor.run_doctor", "entropy_collapse", "learning_tax", "rollout_samples",
+                     "solution_drift", "token_flip"))}
 
 
 def test_every_public_name_resolves_and_is_listed():
@@ -46,6 +46,11 @@ def test_the_wheel_ships_the_models_and_builds_without_a_packaging_warning(tmp_p
     assert built.returncode == 0, built.stderr
     assert "BuildBackendWarning" not in built.stderr and "DeprecationWarning" not in built.stderr, built.stderr
     (wheel,) = tmp_path.glob("lit_cancel-*.whl")
-    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("lit_cancel/assets/")}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {name for name in names if name.startswith("lit_cancel/assets/")}
     expected = {f"lit_cancel/{path.relative_to(root / 'lit_cancel').as_posix()}" for path in (root / "lit_cancel" / "assets").glob("*/*")}
     assert shipped == expected and len(expected) == 10
+    # every module of every sub-package, the callbacks' folder installed as lit_cancel/callbacks
+    sources = {f"lit_cancel/{path.relative_to(root / 'lit_cancel').as_posix()}" for path in (root / "lit_cancel").rglob("*.py")}
+    sources |= {f"lit_cancel/callbacks/{path.relative_to(root / 'callbacks').as_posix()}" for path in (root / "callbacks").rglob("*.py")}
+    assert sources - names == set()

@@ -240,25 +240,30 @@ def load_objective(name_or_class_path: str) -> Objective:
     return objective
 
 
-def main(argv: list[str]) -> int:
-    """Exit 0 when the objective cancels in every judged scenario, 1 when not or when it reports wrong credits, 2 when unloadable."""
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The options of ``lit-cancel audit-objective``."""
+    options = argparse.ArgumentParser(
         prog="lit-cancel audit-objective",
         description="Measures the learning tax of an objective on constructed groups; exit 0 when its policy gradient "
         "cancels in every judged scenario and its reported credits are its loss's, 1 when not, 2 when it cannot be loaded or built.",
     )
-    parser.add_argument("objective", help=f"a preset ({', '.join(PRESETS)}) or a class path such as my_pkg.objectives.MyObjective")
-    parser.add_argument("--tolerance", type=float, default=1e-6, help="largest tax that counts as cancelling")
-    parser.add_argument(
+    options.add_argument("objective", help=f"a preset ({', '.join(PRESETS)}) or a class path such as my_pkg.objectives.MyObjective")
+    options.add_argument("--tolerance", type=float, default=1e-6, help="largest tax that counts as cancelling")
+    options.add_argument(
         "--correction", choices=list(CORRECTIONS),
         help="audit the objective with this sampler-mismatch correction (default bounds); it acts in the sampler-mismatch and "
         "stale scenarios",
     )
-    parser.add_argument(
+    options.add_argument(
         "--trust-region", choices=list(TRUST_REGIONS),
         help="audit the objective with this trust region (default range); it acts in the off-policy scenarios",
     )
-    args = parser.parse_args(argv)
+    return options
+
+
+def main(argv: list[str]) -> int:
+    """Exit 0 when the objective cancels in every judged scenario, 1 when not or when it reports wrong credits, 2 when unloadable."""
+    args = parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module in the current directory, as `python -m` would find it
     try:

@@ -6,6 +6,8 @@ with status 1, naming the step and the last good checkpoint; a signal with 128 +
 shows the whole traceback instead.
 """
 
+import argparse
+import importlib
 import logging
 import os
 import signal
@@ -13,14 +15,21 @@ import sys
 import threading
 import warnings
 
-from lit_cancel.objectives import audit
 from lit_cancel.run.checkpointing import RunStopped
 from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError, RunError
+from lit_cancel.run.flags import spelled_as_defined
 from lit_cancel.run.log_errors import quiet_log_writer_threads
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
 COMMANDS = ("fit", "validate", "export", "audit-objective", "serve", "diagnose")
+# the module of each command other than fit and validate: its parser() and main(argv), which returns the exit status
+COMMAND_MODULES = {
+    "export": "lit_cancel.run.export",
+    "audit-objective": "lit_cancel.objectives.audit",
+    "serve": "lit_cancel.vllm_server",
+    "diagnose": "lit_cancel.callbacks.doctor.command",
+}
 
 
 def debugging() -> bool:
@@ -57,21 +66,13 @@ def main() -> None:
         if command[0] not in COMMANDS and command[0] not in ("-h", "--help"):
             raise ConfigError(f"unknown command {command[0]!r}: the commands are {', '.join(COMMANDS[:-1])} and {COMMANDS[-1]} "
                               "(lit-cancel COMMAND --help lists its options)")
-        if command == ["audit-objective"]:
-            sys.exit(audit.main(sys.argv[2:]))
-        if command == ["diagnose"]:
-            from lit_cancel import diagnose
-
-            sys.exit(diagnose.main(sys.argv[2:]))
-        if command == ["export"]:
-            from lit_cancel.run.export import export
-
-            export(sys.argv[2:])
-            return
-        if command == ["serve"]:
-            from lit_cancel import vllm_server
-
-            sys.exit(vllm_server.main(sys.argv[2:]))
+        if command[0] in COMMAND_MODULES:
+            module = importlib.import_module(COMMAND_MODULES[command[0]])
+            try:
+                argv = spelled_as_defined(sys.argv[2:], module.parser())
+            except argparse.ArgumentTypeError as error:
+                raise ConfigError(str(error)) from error
+            sys.exit(module.main(argv))
         try:
             run_cli()
         except KeyboardInterrupt as stop:  # the run's own Ctrl-C is told by stops_reported: this one came before it

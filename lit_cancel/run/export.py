@@ -12,7 +12,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lit_cancel.run.checks import check_checkpoint, checkpoint_parameter_names
 from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.errors import ConfigError
-from lit_cancel.run.flags import spelled_as_flags
 from lit_cancel.run.folders import try_writing_in
 
 
@@ -38,18 +37,19 @@ def check_output_dir(folder: Path, overwrite: bool) -> None:
         raise ConfigError(f"--output_dir {folder}: cannot write in it ({error.strerror}: {error.filename})") from error
 
 
-def export(argv: list[str]) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The options of ``lit-cancel export``."""
+    options = argparse.ArgumentParser(prog="lit-cancel export", description=main.__doc__)
+    options.add_argument("--config", required=True, help="the run's config (the model part is used)")
+    options.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
+    options.add_argument("--output_dir", required=True, help="folder for save_pretrained: new, or empty")
+    options.add_argument("--overwrite", action="store_true", help="write into an --output_dir that already holds files")
+    return options
+
+
+def main(argv: list[str]) -> int:
     """``lit-cancel export``: a training checkpoint to a Hugging Face folder, LoRA adapters merged."""
-    parser = argparse.ArgumentParser(prog="lit-cancel export", description=export.__doc__)
-    parser.add_argument("--config", required=True, help="the run's config (the model part is used)")
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint the run wrote: a file, or a sharded folder")
-    parser.add_argument("--output_dir", required=True, help="folder for save_pretrained: new, or empty")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into an --output_dir that already holds files (or --overwrite true, as fit takes it)")
-    try:
-        args = parser.parse_args(spelled_as_flags(argv, {"--overwrite"}))
-    except argparse.ArgumentTypeError as error:
-        raise ConfigError(str(error)) from error
+    args = parser().parse_args(argv)
     check_output_dir(Path(args.output_dir), args.overwrite)
     checkpoint_parameter_names(args.ckpt_path)
     with warnings.catch_warnings():
@@ -65,3 +65,4 @@ def export(argv: list[str]) -> None:
         raise ConfigError(f"--ckpt_path {args.ckpt_path} does not fit the model of {args.config}: {unexpected[:5]}")
     cli.model.export(args.output_dir)
     print(f"saved {args.output_dir}")
+    return 0

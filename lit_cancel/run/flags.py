@@ -1,5 +1,5 @@
-"""On/off options spelled in every ``lit-cancel`` command as ``fit`` spells them: ``--overwrite``, ``--overwrite true``,
-``--overwrite=false``."""
+"""Options spelled in every ``lit-cancel`` command as in any other: ``--at_step`` or ``--at-step`` whichever the command
+defines, and an on/off option as ``fit`` takes one: ``--overwrite``, ``--overwrite true``, ``--overwrite=false``."""
 
 import argparse
 
@@ -23,3 +23,18 @@ def spelled_as_flags(argv: list[str], flags: set[str]) -> list[str]:
                 spelled.append(name)
         index += 1
     return spelled
+
+
+def spelled_as_defined(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with each long option that ``parser`` defines with ``-`` where it has ``_`` (or the reverse) spelled as
+    defined, and each of its on/off options given a value written as :func:`spelled_as_flags` does."""
+    defined = parser._option_string_actions
+    respelled = []
+    for argument in argv:
+        name, equals, value = argument.partition("=")
+        if name.startswith("--") and name not in defined:
+            other = "--" + (name[2:].replace("_", "-") if "_" in name else name[2:].replace("-", "_"))
+            argument = other + equals + value if other in defined else argument
+        respelled.append(argument)
+    flags = {name for name, action in defined.items() if isinstance(action, argparse._StoreTrueAction) and name.startswith("--")}
+    return spelled_as_flags(respelled, flags)

@@ -1,4 +1,5 @@
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from lit_cancel.run import cli, commands
 from lit_cancel.run.checkpointing import COMPLETE_MARKER
 from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.cli import run_cli as main
-from lit_cancel.run.flags import spelled_as_flags
+from lit_cancel.run.flags import spelled_as_defined, spelled_as_flags
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -224,6 +225,19 @@ def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path, monkeypatch, cap
 )
 def test_on_off_options_take_fits_spelling(argv, spelled):
     assert spelled_as_flags(argv, {"--overwrite"}) == spelled
+
+
+@pytest.mark.parametrize(
+    "module, argv, spelled",
+    [
+        ("lit_cancel.callbacks.doctor.command", ["runs/a_b", "--at_step", "5", "--json", "true"], ["runs/a_b", "--at-step", "5", "--json"]),
+        ("lit_cancel.callbacks.doctor.command", ["--json", "runs/x", "--at_step=7"], ["--json", "runs/x", "--at-step=7"]),
+        ("lit_cancel.run.export", ["--output-dir", "out", "--ckpt-path=x.ckpt", "--overwrite", "false"], ["--output_dir", "out", "--ckpt_path=x.ckpt"]),
+        ("lit_cancel.objectives.audit", ["GRPO", "--trust_region", "TokenRatioMask"], ["GRPO", "--trust-region", "TokenRatioMask"]),
+    ],
+)
+def test_every_command_takes_either_spelling_of_its_options(module, argv, spelled):
+    assert spelled_as_defined(argv, importlib.import_module(module).parser()) == spelled
 
 
 def test_an_on_off_option_with_another_value_is_named():

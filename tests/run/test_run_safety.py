@@ -150,7 +150,7 @@ def test_ctrl_c_in_another_command_is_one_line(monkeypatch, capsys, command):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lit_cancel.diagnose.main", interrupted)
+    monkeypatch.setattr("lit_cancel.callbacks.doctor.command.main", interrupted)
     monkeypatch.setattr("lit_cancel.objectives.audit.main", interrupted)
     code, lines = console(monkeypatch, capsys, *command)
     assert (code, lines) == (130, [f"lit-cancel {command[0]}: stopped by Ctrl-C (SIGINT)"])

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lit_cancel.callbacks import diagnoses
-from lit_cancel.callbacks.diagnoses import SERIES, SETTINGS, Rule, mean, register
+from lit_cancel.callbacks.doctor import command as diagnose
+from lit_cancel.callbacks.doctor import diagnoses
+from lit_cancel.callbacks.doctor.diagnoses import SERIES, SETTINGS, Rule, mean, register
+from lit_cancel.callbacks.doctor.history import LIT_CANCEL_SETTINGS, TAGS, TRL_SETTINGS, RunReadError, read_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from lit_cancel import diagnose
 from lit_cancel.run import commands
-from lit_cancel.run_history import LIT_CANCEL_SETTINGS, TAGS, TRL_SETTINGS, RunReadError, read_run
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 # tags as each framework writes them (read in TRL 1.16's grpo_trainer.py and verl's metric_utils.py, core_algos.py,
 # dp_actor.py, ray_trainer.py), and the canonical series each must become; None: must not become any

@@ -1,8 +1,8 @@
-"""A run's TensorBoard event files as a :class:`~lit_cancel.callbacks.diagnoses.RunHistory`, under lit_cancel's names.
+"""A run's TensorBoard event files as a :class:`~lit_cancel.callbacks.doctor.diagnoses.RunHistory`, under lit_cancel's names.
 
 Reads the runs of lit_cancel, of TRL's ``GRPOTrainer`` (``report_to="tensorboard"``) and of verl (``trainer.logger``
 with ``tensorboard``); the framework is told by the tags. Each framework's tags are mapped to the names of
-:data:`~lit_cancel.callbacks.diagnoses.SERIES` by one table, :data:`TAGS`; a tag whose quantity differs from ours in
+:data:`~lit_cancel.callbacks.doctor.diagnoses.SERIES` by one table, :data:`TAGS`; a tag whose quantity differs from ours in
 meaning or unit is left unmapped, and the table says why. Steps are the steps the framework logged at: lit_cancel's and
 TRL's optimizer steps, verl's training steps (one batch of rollouts each, which may hold several optimizer steps).
 """
@@ -17,7 +17,7 @@ import yaml
 from google.protobuf.message import DecodeError
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-from lit_cancel.callbacks.diagnoses import SERIES, RunHistory
+from .diagnoses import SERIES, RunHistory
 
 # per framework, its tag (or a pattern of tags) -> the canonical series it is
 TAGS: dict[str, dict[str, str]] = {

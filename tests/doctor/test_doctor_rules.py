@@ -4,7 +4,7 @@ and remedy, and stays silent on a healthy series; findings are ordered by how mu
 import math
 
 import pytest
-from lit_cancel.callbacks.diagnoses import RULES, Finding, Rule, RunHistory, Series, diagnose, register, rules_named
+from lit_cancel.callbacks.doctor.diagnoses import RULES, Finding, Rule, RunHistory, Series, diagnose, register, rules_named
 
 STEPS = 60
 

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from . import doctor_rules  # noqa: F401  (registers the rules)
+from . import rule_book  # noqa: F401  (registers the rules)
 from .diagnoses import SERIES, SETTINGS, Finding, RunHistory, diagnose, rules_named
 
 
@@ -34,7 +34,7 @@ class RunDoctor(Callback):
     TensorBoard's Text tab (``doctor/findings``) when they change; with ``action="stop"`` a severe finding stops
     the run on every process. The series it read and the findings it reported are in the checkpoint.
 
-    This file needs ``diagnoses.py`` and ``doctor_rules.py`` beside it; it imports Lightning and torch only.
+    This file needs ``diagnoses.py`` and ``rule_book.py`` beside it; it imports Lightning and torch only.
 
     Args:
         every_n_steps: check every this many optimizer steps.

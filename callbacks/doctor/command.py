@@ -17,8 +17,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from lit_cancel.callbacks.diagnoses import SERIES, Finding, Rule, RunHistory, diagnose, rules_named
-from lit_cancel.run_history import RunReadError, event_files, read_run
+from . import rule_book  # noqa: F401  (registers the rules)
+from .diagnoses import SERIES, Finding, Rule, RunHistory, diagnose, rules_named
+from .history import RunReadError, event_files, read_run
 
 FRAMEWORK_NAMES = {"lit_cancel": "lit_cancel", "trl": "TRL", "verl": "verl"}
 # 3, not 0, for a run read too early: a script that takes 0 for healthy must not take a run that cannot be judged yet
@@ -141,14 +142,19 @@ def refuse(reason: str) -> int:
     return 2
 
 
+def parser() -> argparse.ArgumentParser:
+    """The options of ``lit-cancel diagnose``."""
+    options = argparse.ArgumentParser(prog="lit-cancel diagnose", description=DESCRIPTION)
+    options.add_argument("run_dir", metavar="RUN_DIR", help="the folder of the run's event files, or a folder above it")
+    options.add_argument("--json", action="store_true", help="print a JSON object instead of the report")
+    options.add_argument("--rules", nargs="+", metavar="NAME", help="run these diagnoses only (default: all)")
+    options.add_argument("--at-step", type=int, metavar="N", help="diagnose the run as it was at step N")
+    return options
+
+
 def main(argv: list[str]) -> int:
     """``lit-cancel diagnose RUN_DIR [--json] [--rules NAME ...] [--at-step N]``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="lit-cancel diagnose", description=DESCRIPTION)
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the folder of the run's event files, or a folder above it")
-    parser.add_argument("--json", action="store_true", help="print a JSON object instead of the report")
-    parser.add_argument("--rules", nargs="+", metavar="NAME", help="run these diagnoses only (default: all)")
-    parser.add_argument("--at-step", type=int, metavar="N", help="diagnose the run as it was at step N")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.at_step is not None and args.at_step < 0:
         return refuse(f"--at-step: a step number >= 0 is expected, got {args.at_step}")
     try:
