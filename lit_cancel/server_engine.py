@@ -186,13 +186,14 @@ class VLLMServerEngine(RolloutEngine):
 
     def check(self, module) -> None:
         """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs, and a server to launch
-        on a CPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens (:func:`~lit_cancel.vllm_engine.kv_cache_need`)."""
+        on a machine without a GPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens
+        (:func:`~lit_cancel.vllm_engine.kv_cache_need`)."""
         for url in self.urls:
             try:
                 ServerClient(url).check()
             except ServerError as error:
                 raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
-        if self.launch and module.device.type == "cpu":
+        if self.launch and not torch.cuda.is_available():  # a server launched here runs on a CPU (the module is not on its device yet)
             model = module.policy.model
             model = model.get_base_model() if hasattr(model, "get_base_model") else model
             need = kv_cache_need(model.config, module.tokenizer, self._dtype(module), self.max_model_len, self._server_options())
