@@ -14,6 +14,7 @@ rollout is trained more than ``k`` rounds after the weights that sampled it.
 """
 
 import atexit
+import importlib.util
 import os
 import random
 import shutil
@@ -31,8 +32,12 @@ from torch import Tensor
 from lit_cancel.engines import RolloutEngine, Sampled
 from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingOptions, StaleRolloutError, parse_result, version_label
 from lit_cancel.vllm_engine import (
+    _CPU_KV_CACHE,
     _VLLM_OPTIONS,
+    INSTALL_LINES,
     engine_dtype,
+    kv_cache_need,
+    kv_cache_refusal,
     merged_weights,
     prompt_seeds,
     sampled_completions,
@@ -44,6 +49,7 @@ from lit_cancel.vllm_server import (
     free_port,
     server_command,
     start_server,
+    stop_server,
     wait_until_healthy,
 )
 
@@ -82,30 +88,6 @@ def write_weights(weights: Iterable[tuple[str, Tensor]], folder: str) -> None:
     os.replace(partial, folder)
 
 
-def model_folder_for_config(config_path: str, folder: str) -> tuple[str, dict, bool]:
-    """Writes the model of a fit config (``model.init_args.model_path``, ``dtype``) as a Hugging Face folder for a server;
-    returns the folder, the server's settings that the config's engine gives (``dtype``, ``max_model_len``,
-    ``kv_cache_memory_bytes``; the dtype as :func:`~lit_cancel.vllm_engine.engine_dtype` chooses when unset) and
-    whether there is no GPU."""
-    import yaml
-
-    from lit_cancel.hub import load_causal_lm, load_tokenizer
-
-    with open(config_path) as file:
-        config = yaml.safe_load(file) or {}
-    arguments = (config.get("model") or {}).get("init_args") or {}
-    engine = arguments.get("engine")
-    engine = (engine.get("init_args") or {}) if isinstance(engine, dict) else {}
-    model_path = arguments.get("model_path", "embedded:tiny-adder")
-    model = load_causal_lm(model_path, dtype=arguments.get("dtype"))
-    model.save_pretrained(folder)
-    load_tokenizer(model_path, option="model_path").save_pretrained(folder)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    settings = {key: engine.get(key) for key in ("max_model_len", "kv_cache_memory_bytes")}
-    settings["dtype"] = engine_dtype(engine.get("dtype"), next(model.parameters()).dtype, device)
-    return folder, settings, device.type == "cpu"
-
-
 class VLLMServerEngine(RolloutEngine):
     """Samples rollouts and validation completions on vLLM servers, pushing the policy's weights to them.
 
@@ -113,8 +95,11 @@ class VLLMServerEngine(RolloutEngine):
     version. Weights reach the servers as safetensors files in ``weights_dir``, which every server
     must be able to read. Before sampling, a server that does not hold the current version (one that
     restarted, or whose transfer stopped half-way) gets it first. A request whose server stops
-    answering is sent to another server; when none answers for ``server_timeout`` seconds the run
-    stops with an error naming the servers (the run's checkpoint callback saves ``last.ckpt``).
+    answering (its connection refused, no answer for ``server_timeout`` seconds, or another server
+    answering at its URL: :class:`~lit_cancel.vllm_server.ServerClient`) is given up and sent to the next
+    server; when none answered for ``server_timeout`` seconds the run stops with an error naming the servers
+    (the run's checkpoint callback saves ``last.ckpt``). A launched server is stopped with all its processes
+    when the engine closes, at the latest when the trainer's process ends.
 
     Logged each round: ``rollout/staleness`` and ``rollout/staleness_max`` (rounds between the weights
     that sampled a group and the round that trains it), ``rollout/queue_depth`` (draws sampled ahead,
@@ -130,8 +115,9 @@ class VLLMServerEngine(RolloutEngine):
         server_cpus: CPU cores of the launched server (its process and threads); None: vLLM's own choice.
         trainer_cpus: CPU cores the trainer's process keeps to when it launches a server, e.g. ``[0]`` beside
             ``server_cpus: [1]``; None: unchanged.
-        request_timeout: seconds one request may take before its server counts as not answering.
-        server_timeout: seconds to wait for some server to answer before the run stops.
+        request_timeout: seconds one request may take on a server that answers.
+        server_timeout: seconds a server may give no answer before its requests are given up, and seconds to wait
+            for some server to answer before the run stops.
         startup_timeout: seconds a launched server may take to start.
         dtype: the launched server's dtype; None as :func:`~lit_cancel.vllm_engine.engine_dtype` chooses.
         max_model_len: the launched server's longest prompt plus completion; None: the model's.
@@ -173,6 +159,9 @@ class VLLMServerEngine(RolloutEngine):
                 raise ValueError(f"{_ENGINE_KEY}.{name} must be > 0 seconds, got {seconds}")
         if not launch and (server_cpus or trainer_cpus or server_args):
             raise ValueError(f"{_ENGINE_KEY}: server_cpus, trainer_cpus and server_args are for a launched server (launch: true)")
+        if launch and importlib.util.find_spec("vllm") is None:
+            raise ImportError(f"VLLMServerEngine with launch: true starts a vLLM server here, and vLLM is not installed: "
+                              f"{INSTALL_LINES}; or give the urls of servers started elsewhere")
         self.launch, self.max_staleness, self.weights_dir = launch, max_staleness, weights_dir
         self.server_cpus, self.trainer_cpus = server_cpus, trainer_cpus
         self.request_timeout, self.server_timeout, self.startup_timeout = request_timeout, server_timeout, startup_timeout
@@ -196,12 +185,34 @@ class VLLMServerEngine(RolloutEngine):
     # start and stop
 
     def check(self, module) -> None:
-        """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs."""
+        """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs, and a server to launch
+        on a machine without a GPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens
+        (:func:`~lit_cancel.vllm_engine.kv_cache_need`)."""
         for url in self.urls:
             try:
                 ServerClient(url).check()
             except ServerError as error:
                 raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
+        if self.launch and not torch.cuda.is_available():  # a server launched here runs on a CPU (the module is not on its device yet)
+            model = module.policy.model
+            model = model.get_base_model() if hasattr(model, "get_base_model") else model
+            need = kv_cache_need(model.config, module.tokenizer, self._dtype(module), self.max_model_len, self._server_options())
+            budget = self.kv_cache_memory_bytes or _CPU_KV_CACHE
+            if need is not None and budget < need[0]:
+                raise ValueError(kv_cache_refusal(
+                    need, budget, self.kv_cache_memory_bytes is not None, self.max_model_len is not None,
+                    f"{_ENGINE_KEY}.kv_cache_memory_bytes", f"{_ENGINE_KEY}.max_model_len", module.max_new_tokens,
+                ))
+
+    def _server_options(self) -> dict:
+        """The options in ``server_args`` that shape the KV cache, by vLLM's names."""
+        options, words = {}, iter(self.server_args)
+        for word in words:
+            name, _, value = word.partition("=")
+            if name in ("--block-size", "--kv-cache-dtype", "--hf-overrides"):
+                value = value or next(words, "")
+                options[name[2:].replace("-", "_")] = int(value) if name == "--block-size" and value.isdigit() else value
+        return options
 
     def start(self, module) -> None:
         """Connects to the servers (launching one first with ``launch``); the run's id labels its weights versions."""
@@ -218,13 +229,21 @@ class VLLMServerEngine(RolloutEngine):
             torch.distributed.broadcast_object_list(shared, src=0)
         self.run, self.weights_dir = shared
         os.makedirs(self.weights_dir, exist_ok=True)
+        atexit.register(self.close)  # the launched server and the temporary folders go with the process, however it ends
         if self.launch:
-            self.urls = [self._launch(module)]
-        self.clients = [ServerClient(url, self.request_timeout) for url in self.urls]
+            try:
+                self.urls = [self._launch(module)]
+            except BaseException:  # a server that failed to start, or a Ctrl-C while it started: none is left running
+                self.close()
+                raise
+        self.clients = [ServerClient(url, self.request_timeout, self.server_timeout, self._is_own) for url in self.urls]
         self.closed = False
         for client in self.clients:
             client.check()
-        atexit.register(self.close)
+
+    def _is_own(self, label: str) -> bool:
+        """Whether a server's weights label is a version of this run's."""
+        return label.startswith(f"{self.run}/")
 
     def _launch(self, module) -> str:
         folder = tempfile.mkdtemp(prefix="lit-cancel-server-")
@@ -237,7 +256,7 @@ class VLLMServerEngine(RolloutEngine):
         write_weights(merged_weights(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
         os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
         on_cpu = module.device.type == "cpu"
-        kv_bytes = self.kv_cache_memory_bytes or (2**30 if on_cpu else None)
+        kv_bytes = self.kv_cache_memory_bytes or (_CPU_KV_CACHE if on_cpu else None)
         port = free_port()
         command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, self.server_args)
         log_path = os.path.join(folder, "server.log")
@@ -251,17 +270,16 @@ class VLLMServerEngine(RolloutEngine):
         return url
 
     def close(self) -> None:
-        """Stops the launched server and the draws in flight; the engine starts again when next used."""
+        """Stops the draws in flight and the launched server (every process of it, also when its own process died);
+        the engine starts again when next used."""
         with self.version_changed:
             self.closed = True
             self.step, self.pushed, self.ahead = None, {}, {}
             self.version_changed.notify_all()
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
-            try:
-                self.process.wait(30)
-            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
-                os.killpg(self.process.pid, 9)
+        for client in self.clients:  # a server does not stop while it still answers requests
+            client.give_up("the engine was closed")
+        if self.process is not None:
+            stop_server(self.process)
         self.process = None
         if self._trainer_placement is not None:  # the process goes back to the cores and threads it had
             os.sched_setaffinity(0, self._trainer_placement[0])
@@ -334,8 +352,10 @@ class VLLMServerEngine(RolloutEngine):
         )
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:
-        """One request's result from the first server that answers it with acceptable weights."""
-        deadline = time.monotonic() + self.server_timeout
+        """One request's result from the first server that answers it with acceptable weights. The request is sent again
+        (to the next server, which first gets the current weights if it lacks them) until no server answered for
+        ``server_timeout`` seconds, or its tries failed for that long."""
+        started, first_failure = time.monotonic(), None
         errors: dict[str, str] = {}
         while True:
             with self.version_changed:
@@ -348,7 +368,10 @@ class VLLMServerEngine(RolloutEngine):
                 return parse_result(client.generate(request), request, self.pushed, client.url)
             except (StaleRolloutError, ServerError) as error:  # a stale server is pushed the weights before the next try
                 errors[client.url] = str(error)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            first_failure = first_failure or now
+            last_answer = max(started, *(client.answered for client in self.clients))
+            if now - last_answer > self.server_timeout or now - first_failure > self.server_timeout:
                 raise ServerError(
                     f"no vLLM server answered for {self.server_timeout:g} s ({_ENGINE_KEY}.server_timeout): "
                     + "; ".join(errors.values())

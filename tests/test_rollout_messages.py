@@ -1,6 +1,5 @@
 """The trainer/server message and the server engine's checks that need no server (the engine needs no vLLM in the trainer)."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from lit_cancel import RLModule, VLLMServerEngine
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRolloutError, parse_result
 from lit_cancel.rollouts import staleness_stats
-from lit_cancel.vllm_server import free_port, serve_command
+from lit_cancel.vllm_server import free_port
 
 OPTIONS = SamplingOptions(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), extra=(("top_k", 5),))
 REQUEST = RolloutRequest(prompt_ids=(5, 6, 7), num_samples=2, options=OPTIONS, seed=11, oldest_step=4)
@@ -90,17 +89,3 @@ def test_an_unreachable_server_is_refused_at_start_up_in_one_line_with_how_to_st
     with pytest.raises(ValueError, match=rf"urls: no vLLM server answers at {url}; start one with: lit-cancel serve") as error:
         module.engine.check(module)
     assert "\n" not in str(error.value)
-
-
-def test_serve_runs_vllms_server_on_the_configs_model_with_its_engine_settings_unless_overridden():
-    config = str(Path(__file__).parents[1] / "configs" / "quickstart-server.yaml")
-    command, cpus = serve_command(["--config", config, "--port", "8123", "--cpus", "1", "--max-num-seqs", "64"])
-    options = dict(zip(command, command[1:]))
-    folder = Path(options["--model"])
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
-    assert (options["--port"], options["--max-model-len"], options["--kv-cache-memory-bytes"], options["--dtype"]) == (
-        "8123", "256", "67108864", "float32")
-    assert options["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in command
-    assert options["--max-num-seqs"] == "64" and cpus == [1]  # vLLM's own options pass through
-    command, _ = serve_command(["--config", config, "--max-model-len", "128"])
-    assert dict(zip(command, command[1:]))["--max-model-len"] == "128"

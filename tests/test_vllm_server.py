@@ -6,8 +6,12 @@ asynchronous rollouts, faults, and two trainer nodes sharing one server. Run in 
 
 import os
 import signal
+import socket
 import subprocess
+import sys
+import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -29,12 +33,22 @@ from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRo
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.server_engine import VLLMServerEngine, write_weights  # noqa: E402
 from lit_cancel.vllm_engine import merged_weights  # noqa: E402
-from lit_cancel.vllm_server import ServerClient, ServerError, free_port, server_command, start_server, wait_until_healthy  # noqa: E402
+from lit_cancel.vllm_server import (  # noqa: E402
+    ServerClient,
+    ServerError,
+    _group_alive,
+    free_port,
+    server_command,
+    start_server,
+    wait_until_healthy,
+)
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-server.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the server's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
+# the tiny adder's keys and values in float32, as tests/test_vllm_engine.py derives it
+TINY_ADDER_KV_CACHE_NEED = 4 * 2 * 4 * 32 * 4 * (2 + 1) * 128
 
 
 def start(folder: Path, port: int) -> subprocess.Popen:
@@ -258,11 +272,35 @@ def test_a_run_stopped_by_sigterm_with_rollouts_in_flight_resumes_without_counti
     resumed.engine.close()
 
 
+def test_a_request_held_by_a_server_that_was_replaced_at_its_url_goes_to_the_new_one_with_the_current_weights(server):
+    # a server sent SIGTERM closes its socket and can hold the requests in flight for minutes, while the same serve line
+    # starts a new server at the URL: here the proxy holds a generation unanswered and answers labels as a new server
+    with counting_proxy(server, hold_after=4) as (url, calls):
+        module = server_module(url, temperature=0.8, engine_options={"request_timeout": 60})
+        with torch.no_grad():
+            for parameter in module.policy.parameters():
+                parameter.mul_(0.9)
+        torch.manual_seed(0)
+        module.rollout(*prompts(module), num_samples=2)  # 4 requests, and the first push
+        assert calls["/collective_rpc"] == 1
+        started = time.monotonic()
+        torch.manual_seed(0)
+        generation = module.rollout(*prompts(module), num_samples=2)  # its first request is held
+        seconds = time.monotonic() - started
+        assert calls["held"] == 1 and calls["/collective_rpc"] >= 2  # the new server was given the current weights
+        assert mismatch(module, generation) < TOLERANCE
+        assert seconds < 15  # the probe every 2 s saw the new server: not the request_timeout of 60 s
+        module.engine.close()
+
+
 @contextmanager
-def counting_proxy(url: str, forget_after: int | None = None):
+def counting_proxy(url: str, forget_after: int | None = None, hold_after: int | None = None):
     """A URL that forwards every request to the server at ``url``; yields it and the count of each path asked for. With
-    ``forget_after``, the first label asked for after that many generate requests is ``default``: a restarted server's."""
-    calls, counting = Counter(), threading.Lock()
+    ``forget_after``, the first label asked for after that many generate requests is ``default``: a restarted server's.
+    With ``hold_after``, the next generate request after that many is held and never answered, as a server that was
+    stopped holds it, and the labels asked for from then until weights are pushed again are ``default``: a new server
+    answers at the URL."""
+    calls, counting, held = Counter(), threading.Lock(), threading.Event()
 
     class Forward(BaseHTTPRequestHandler):
         def forward(self):
@@ -272,7 +310,14 @@ def counting_proxy(url: str, forget_after: int | None = None):
                 restart = path == "/weight_info" and forget_after is not None and not calls["restart shown"] and (
                     calls["/inference/v1/generate"] >= forget_after)
                 calls["restart shown"] += restart
-            if restart:
+                hold = path == "/inference/v1/generate" and hold_after is not None and calls[path] == hold_after + 1
+                restarted = calls["held"] and not calls["pushed since"]
+                calls["held"] += hold
+                calls["pushed since"] += bool(calls["held"]) and path == "/collective_rpc"
+            if hold:
+                held.wait(600)
+                return None
+            if restart or (path == "/weight_info" and restarted):
                 return self.answer(200, b'{"weight_version": "default"}')
             body = self.rfile.read(int(self.headers.get("content-length", 0))) or None
             request = urllib.request.Request(url + self.path, body, {"content-type": "application/json"}, method=self.command)
@@ -296,9 +341,11 @@ def counting_proxy(url: str, forget_after: int | None = None):
     proxy = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
     proxy.handle_error = lambda *args: None  # a server that cannot be reached: the connection closes without an answer
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy.daemon_threads = True
     try:
         yield f"http://127.0.0.1:{proxy.server_address[1]}", calls
     finally:
+        held.set()
         proxy.shutdown()
         proxy.server_close()
 
@@ -378,18 +425,105 @@ def test_the_server_scores_the_colocated_engines_completions_as_that_engine_did_
     served.engine.close()
 
 
-@pytest.mark.parametrize("config", ["quickstart-server.yaml", "quickstart-async.yaml"])
-def test_the_server_quickstarts_start_their_server_and_raise_held_out_accuracy(config, tmp_path):
+def train_quickstart(config: str, tmp_path) -> tuple:
+    """50 steps of a server quickstart; its command line and the launched server's process, still running."""
     from lit_cancel.run.cli import run_cli
 
     cli = run_cli(["fit", "--config", str(CONFIG.parent / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--trainer.enable_progress_bar=false", "--trainer.max_steps=50"])
-    engine = cli.model.engine
-    assert engine.process is not None and engine.process.poll() is None  # the engine's own server, running until the end
-    engine.close()
+    process = cli.model.engine.process
+    assert process is not None and process.poll() is None  # the engine's own server, running until the end
     events = EventAccumulator(cli.trainer.logger.log_dir)
     events.Reload()
     accuracy = [e.value for e in events.Scalars("val/accuracy")]
     assert len(accuracy) == 3  # before training, then at steps 25 and 50
     assert accuracy[-1] - accuracy[0] >= 0.05, accuracy
-    assert max(e.value for e in events.Scalars("rollout/staleness_max")) == engine.max_staleness
+    assert max(e.value for e in events.Scalars("rollout/staleness_max")) == cli.model.engine.max_staleness
+    return cli, process
+
+
+def test_the_server_quickstart_raises_held_out_accuracy_and_its_server_stops_at_once_with_requests_in_flight(tmp_path):
+    cli, process = train_quickstart("quickstart-server.yaml", tmp_path)
+    module = cli.model
+    module.max_new_tokens = 200  # a rollout that takes a while
+    module.generation_kwargs = {"suppress_tokens": [module.tokenizer.eos_token_id]}
+    rollout = threading.Thread(target=lambda: suppress_server_error(module.rollout, *prompts(module), num_samples=64), daemon=True)
+    rollout.start()
+    time.sleep(3)
+    started = time.monotonic()
+    module.engine.close()  # as at a Ctrl-C: vLLM's server stops only once the requests it holds are given up
+    assert time.monotonic() - started < 15
+    assert not _group_alive(process.pid)
+
+
+def suppress_server_error(function, *args, **kwargs) -> None:
+    try:
+        function(*args, **kwargs)
+    except ServerError:
+        pass
+
+
+def test_the_async_quickstart_raises_held_out_accuracy_and_every_process_of_its_server_stops_after_its_own_died(tmp_path):
+    cli, process = train_quickstart("quickstart-async.yaml", tmp_path)
+    os.kill(process.pid, signal.SIGKILL)  # the server's API process dies; vLLM's engine core runs on
+    process.wait()
+    assert _group_alive(process.pid)
+    cli.model.engine.close()
+    assert not _group_alive(process.pid)
+
+
+def test_serve_refuses_options_vllm_does_not_know_a_taken_port_and_a_kv_cache_too_small_in_one_line(monkeypatch, capfd, tmp_path):
+    from lit_cancel.run import commands
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = str(CONFIG.parent / "quickstart.yaml")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for args, expected in [
+            (["--bogus-flag", "3"], "error: options neither lit-cancel serve nor vLLM knows: --bogus-flag (lit-cancel serve --help"),
+            (["--max-num-seqs", "many"], "error: argument --max-num-seqs: invalid int value: 'many'"),
+            (["--port", port], f"error: --host 127.0.0.1 --port {port}: cannot listen there, another process listens there"),
+            (["--kv-cache-memory-bytes", "1000000"], "error: --kv-cache-memory-bytes=1000000 is too small for vLLM: one sequence of "
+             f"max_model_len=256 tokens (the model's own: --max-model-len is unset) needs {TINY_ADDER_KV_CACHE_NEED} bytes"),
+        ]:
+            monkeypatch.setattr(sys, "argv", ["lit-cancel", "serve", "--config", config, "--port", str(free_port()), *args])
+            capfd.readouterr()
+            with pytest.raises(SystemExit) as exit:
+                commands.main()
+            printed = capfd.readouterr()
+            # what precedes every run is left: transformers' bar as the model loads
+            lines = [line for line in (printed.out + printed.err).splitlines() if line.strip() and not line.startswith("Loading weights")]
+            assert exit.value.code == 2
+            assert lines == ["lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)", lines[-1]], lines
+            assert lines[-1].startswith(expected), lines
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_launched_servers_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_it_starts(tmp_path, monkeypatch, capfd):
+    from lit_cancel import server_engine
+    from lit_cancel.run import commands
+
+    started = []
+    monkeypatch.setattr(server_engine, "start_server", lambda *args: started.append(args))
+    key = "model.init_args.engine.init_args"
+    monkeypatch.setattr(sys, "argv", [
+        "lit-cancel", "fit", "--config", str(CONFIG), "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", f"--{key}.kv_cache_memory_bytes={TINY_ADDER_KV_CACHE_NEED - 1}",
+    ])
+    monkeypatch.delenv(commands.DEBUG_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        commands.main()
+    assert exit.value.code == 2 and started == []
+    lines = [line for line in capfd.readouterr().err.strip().splitlines() if not line.startswith("Loading weights")]
+    assert lines[-2] == "lit-cancel: nothing was run (LIT_CANCEL_DEBUG=1 shows the traceback)"
+    assert lines[-1].startswith(
+        f"error: {key}.kv_cache_memory_bytes={TINY_ADDER_KV_CACHE_NEED - 1} is too small for vLLM: one sequence of "
+        f"max_model_len=256 tokens needs {TINY_ADDER_KV_CACHE_NEED} bytes"
+    )
+    # one block for 100 tokens and the one vLLM keeps back
+    module = RLModule("embedded:tiny-adder")
+    VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20, max_model_len=100).check(module)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=1048575 is too small"):
+        VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20 - 1, max_model_len=100).check(module)
