@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 from transformers import AutoModelForCausalLM
 
 from lit_cancel import RLModule
+from lit_cancel.run import export
 from lit_cancel.run.checkpointing import COMPLETE_MARKER
-from lit_cancel.run.export import export
 
 CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-fsdp2-cpu.yaml"
 LIT_CANCEL = shutil.which("lit-cancel") or str(Path(sys.executable).parent / "lit-cancel")
@@ -83,7 +83,7 @@ def test_export_reads_a_sharded_checkpoint_folder(tmp_path):
     torch.save({"state_dict": state}, tmp_path / "whole.ckpt")
     torch_save_to_dcp(tmp_path / "whole.ckpt", tmp_path / "sharded.ckpt")  # the folder layout of a sharded save
     (tmp_path / "sharded.ckpt" / COMPLETE_MARKER).touch()  # as RunCheckpoint marks a folder once every process wrote its part
-    export(["--config", str(CONFIG), f"--ckpt_path={tmp_path / 'sharded.ckpt'}", f"--output_dir={tmp_path / 'out'}"])
+    export.main(["--config", str(CONFIG), f"--ckpt_path={tmp_path / 'sharded.ckpt'}", f"--output_dir={tmp_path / 'out'}"])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, state[f"policy.model.{name}"]), name

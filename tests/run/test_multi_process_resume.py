@@ -13,11 +13,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.run import export
 from lit_cancel.run.checkpointing import COMPLETE_MARKER, _host, complete_folder, remove_abandoned_temporary_files
 from lit_cancel.run.checks import check_checkpoint
 from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError
-from lit_cancel.run.export import export
 
 SCRIPT = Path(__file__).parents[1] / "workers" / "resume_ranks.py"
 CONFIG = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
@@ -98,7 +98,7 @@ def test_a_sharded_folder_without_its_marker_is_refused_at_start_up_in_one_line(
     assert refused.returncode == 2
     assert refused.stderr.splitlines()[-1] == f"error: {expected}"
     with pytest.raises(ConfigError) as refused_export:
-        export(["--config", str(SHARDED_CONFIG), f"--ckpt_path={folder}", f"--output_dir={tmp_path / 'hf'}"])
+        export.main(["--config", str(SHARDED_CONFIG), f"--ckpt_path={folder}", f"--output_dir={tmp_path / 'hf'}"])
     assert str(refused_export.value) == expected
     (folder / COMPLETE_MARKER).touch()  # marked by whoever knows it is whole
     check_checkpoint(str(folder), lora=False)
