@@ -21,6 +21,7 @@ with mixed rewards and the shared-prefix length (the design measurements of E10)
 """
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,25 +30,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lit_cancel.engines import DecodeLoop, RolloutEngine, Sampled
+from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.logprobs import completion_logprobs
 from lit_cancel.objectives.audit import shared_positions
-
-
-@contextmanager
-def _max_new_tokens(module, tokens: int) -> Iterator[None]:
-    """The module's ``max_new_tokens`` set to ``tokens`` for one call of the inner engine (which reads it there)."""
-    kept = module.max_new_tokens
-    module.max_new_tokens = tokens
-    try:
-        yield
-    finally:
-        module.max_new_tokens = kept
-
-
-def _training(module) -> bool:
-    """Whether ``module`` samples for training: a trainer in its training stage, or no trainer at all (a direct call)."""
-    trainer = getattr(module, "_trainer", None)
-    return trainer is None or bool(trainer.training)
 
 
 class ForcedBranching(RolloutEngine):
@@ -70,8 +55,8 @@ class ForcedBranching(RolloutEngine):
     estimate's spread and breaks comparability with the other experiments' validation. Greedy
     decoding and single samples always go to the inner engine (branching changes nothing there).
 
-    Where the module has a trainer, branching happens while it trains (``trainer.training``);
-    without one (a direct ``module.rollout`` call) every sampled call branches.
+    Validation requests are those the module makes while its trainer validates (``SampleRequest.validation``); a direct
+    ``module.rollout`` call branches.
 
     Logged with each round (``Sampled.stats``): ``rollout/preamble_p``, the mean probability under
     the policy of the preamble tokens up to their stop token (the policy's own temperature), and
@@ -103,34 +88,36 @@ class ForcedBranching(RolloutEngine):
         self.branched_calls = self.plain_calls = 0
 
     @contextmanager
-    def context(self, module) -> Iterator[None]:
-        with self.engine.context(module):
+    def context(self, device: torch.device) -> Iterator[None]:
+        with self.engine.context(device):
             yield
 
-    def sync(self, module) -> float:
-        return self.engine.sync(module)
+    def sync(self, policy: PolicyWeights) -> float:
+        return self.engine.sync(policy)
 
-    def check(self, module) -> None:
-        if self.preamble_tokens >= module.max_new_tokens:
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
+        if options is not None and self.preamble_tokens >= options.max_new_tokens:
             raise ValueError(
                 f"model.init_args.engine.init_args.preamble_tokens: {self.preamble_tokens} leaves no room for a continuation "
-                f"within max_new_tokens {module.max_new_tokens}; make it smaller"
+                f"within max_new_tokens {options.max_new_tokens}; make it smaller"
             )
-        self.engine.check(module)
+        self.engine.check(policy, options)
 
-    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
-        if greedy or num_samples < 2 or not (self.branch_validation or _training(module)):
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
+        num_samples, options = request.num_samples, request.options
+        if request.greedy or num_samples < 2 or (request.validation and not self.branch_validation):
             self.plain_calls += 1
-            return self.engine.sample(module, input_ids, attention_mask, num_samples, greedy)
-        self.check(module)
+            return self.engine.sample(policy, request)
+        self.check(policy, options)
         self.branched_calls += 1
+        input_ids, attention_mask = request.input_ids, request.attention_mask
         rows, prompt_length = input_ids.shape
-        width, budget = self.preamble_tokens, module.max_new_tokens - self.preamble_tokens
-        pad, device = module.tokenizer.pad_token_id, input_ids.device
-        stops = torch.tensor(list(module.stop_token_ids), dtype=input_ids.dtype, device=device)
+        width, budget = self.preamble_tokens, options.max_new_tokens - self.preamble_tokens
+        pad, device = options.pad_token_id, input_ids.device
+        stops = torch.tensor(list(options.stop_token_ids), dtype=input_ids.dtype, device=device)
 
-        with _max_new_tokens(module, width):
-            first = self.engine.sample(module, input_ids, attention_mask, 1, False)
+        preamble_options = dataclasses.replace(options, max_new_tokens=width)
+        first = self.engine.sample(policy, SampleRequest(input_ids, attention_mask, 1, preamble_options, validation=request.validation))
         preamble = torch.full((rows, width), pad, dtype=input_ids.dtype, device=device)
         drawn = first.sequences[:, prompt_length:]
         preamble[:, : drawn.shape[1]] = drawn
@@ -146,8 +133,9 @@ class ForcedBranching(RolloutEngine):
         if len(going):
             prefix = torch.cat([input_ids[going], preamble[going]], 1)
             prefix_mask = torch.cat([attention_mask[going], torch.ones_like(preamble[going])], 1)
-            with _max_new_tokens(module, budget):
-                second = self.engine.sample(module, prefix, prefix_mask, num_samples, False)
+            rest = SampleRequest(prefix, prefix_mask, num_samples, dataclasses.replace(options, max_new_tokens=budget),
+                                 validation=request.validation)
+            second = self.engine.sample(policy, rest)
             continued, continued_logprobs = second.sequences[:, prefix.shape[1] :], second.logprobs
             sync_seconds += second.sync_seconds
             stats |= {k: v for k, v in second.stats.items()}
@@ -171,7 +159,9 @@ class ForcedBranching(RolloutEngine):
 
         if self.measure:
             full_mask = torch.cat([attention_mask, preamble_mask.long()], 1)
-            token_logprobs = module.token_logprobs(torch.cat([input_ids, preamble], 1), full_mask, prompt_length)
+            token_logprobs = policy.root(
+                completion_logprobs, torch.cat([input_ids, preamble], 1), full_mask, prompt_length, options.temperature
+            )[0]
             stats["rollout/preamble_p"] = float((token_logprobs.float().exp() * preamble_mask).sum() / preamble_mask.sum())
         stats["rollout/preamble_stopped"] = float(stopped.float().mean())
         return Sampled(sequences, logprobs, sync_seconds, None, stats)

@@ -122,7 +122,7 @@ def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length:
     in: one batch sampled with EOS suppressed holds the contexts, and each row's expected length
     ``sum_t prod_{s<t} (1 - p_s)`` follows from EOS's probability ``p_s`` at its positions, for any scale.
     """
-    from lit_cancel.decoding import logits_processors, sample_completions
+    from lit_cancel.engines.decode_loop import logits_processors, sample_completions
     from lit_cancel.logprobs import position_ids_from_mask
 
     eos = tokenizer.eos_token_id

@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.engines import DecodeLoop, RolloutEngine
+from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
 from lit_cancel.hub import load_causal_lm, load_tokenizer
@@ -190,17 +190,31 @@ class PolicyModule(L.LightningModule):
         release_free_heap()
         was_training = self.policy.training
         self.policy.eval()
-        with gathered(self.policy), self.engine.context(self):
+        policy = self.policy_weights()
+        validation = self._trainer is not None and not self.trainer.training
+        request = SampleRequest(input_ids, attention_mask, num_samples, self.sampling_options(), greedy, validation)
+        with gathered(self.policy), self.engine.context(self.device):
             sync_seconds = 0.0
             if self.engine_version != self.weights_version:
-                sync_seconds = self.engine.sync(self)
+                sync_seconds = self.engine.sync(policy)
                 self.engine_version = self.weights_version
-            sampled = self.engine.sample(self, input_ids, attention_mask, num_samples, greedy)
+            sampled = self.engine.sample(policy, request)
         self.policy.train(was_training)
 
         # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
         sync_seconds += sampled.sync_seconds
         return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
+
+    def sampling_options(self) -> SamplingOptions:
+        """How the engine samples: the module's temperature, top-p, completion length, stop tokens and generation options."""
+        return SamplingOptions(
+            self.temperature, self.top_p, self.max_new_tokens, tuple(self.stop_token_ids), self.tokenizer.pad_token_id,
+            self.generation_kwargs,
+        )
+
+    def policy_weights(self) -> PolicyWeights:
+        """The policy as the engine sees it: its model (through the root), tokenizer, optimizer steps and device."""
+        return PolicyWeights(self.policy, self.tokenizer, self.global_step, self.device)
 
     def precision_context(self) -> AbstractContextManager:
         """The trainer's precision context (autocast under ``bf16-mixed``), in which rollouts and their log-probs are

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.engines import RolloutEngine
+from lit_cancel.engines import PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.generation import Generation
 from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
 from lit_cancel.round_warnings import CannotLearnWarnings
@@ -33,6 +33,12 @@ class RolloutPolicy(Protocol):
     stop_token_ids: list[int]
     engine: RolloutEngine
     device: torch.device
+
+    def sampling_options(self) -> SamplingOptions:
+        """How the engine samples."""
+
+    def policy_weights(self) -> PolicyWeights:
+        """The policy as the engine sees it."""
 
     def precision_context(self) -> AbstractContextManager:
         """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
@@ -156,8 +162,8 @@ class RolloutProducer:
         engine = policy.engine
         prompts = encode_prompts(policy.tokenizer, self.draw_records(draw, processes.rank, processes.world))
         oldest_step = processes.step() + (rounds_ahead - engine.max_staleness) * self.steps_per_round
-        engine.prefetch(policy, prompts["input_ids"], prompts["attention_mask"], self.group_size, self.seed_of(processes.rank, draw),
-                        max(oldest_step, 0))
+        request = SampleRequest(prompts["input_ids"], prompts["attention_mask"], self.group_size, policy.sampling_options())
+        engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), max(oldest_step, 0))
 
 
 @functools.lru_cache(maxsize=4)

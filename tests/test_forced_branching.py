@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -14,7 +13,7 @@ from lit_cancel.callbacks.learning_tax import shared_positions as monitor_shared
 
 from lit_cancel import RLModule, RolloutDataModule, ScaffoldedAdditionTask
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.engines import RolloutEngine, Sampled
+from lit_cancel.engines import RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.objectives.audit import credits, learning_tax
 from lit_cancel.objectives.audit import shared_positions as audit_shared_positions
 from lit_cancel.objectives.presets import PRESETS
@@ -143,30 +142,32 @@ class Scripted(RolloutEngine):
     def __init__(self, preambles, continuations):
         self.calls, self.preambles, self.continuations = [], preambles, continuations
 
-    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
-        self.calls.append((input_ids.clone(), attention_mask.clone(), num_samples, module.max_new_tokens))
+    def sample(self, policy, request) -> Sampled:
+        budget = request.options.max_new_tokens
+        self.calls.append((request.input_ids.clone(), request.attention_mask.clone(), request.num_samples, budget))
         pieces = self.preambles if len(self.calls) == 1 else self.continuations
-        pieces = [p[: module.max_new_tokens] for p in pieces]
+        pieces = [p[:budget] for p in pieces]
         width = max(map(len, pieces))
+        input_ids = request.input_ids
         rows = torch.full((len(pieces), input_ids.shape[1] + width), PAD)
-        rows[:, : input_ids.shape[1]] = input_ids.repeat_interleave(num_samples, 0)
+        rows[:, : input_ids.shape[1]] = input_ids.repeat_interleave(request.num_samples, 0)
         for row, piece in enumerate(pieces):
             rows[row, input_ids.shape[1] : input_ids.shape[1] + len(piece)] = torch.tensor(piece)
         return Sampled(rows)
 
 
-def scripted_module(max_new_tokens=10):
-    return SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=PAD), stop_token_ids=[EOS], max_new_tokens=max_new_tokens)
+def options(max_new_tokens=10):
+    return SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(EOS,), pad_token_id=PAD)
 
 
 def test_a_preamble_that_stops_early_is_the_whole_completion_of_every_member():
     # prompt 0's preamble ends at its stop token; prompt 1's runs its 3 tokens and is continued twice
     inner = Scripted(preambles=[[5, EOS], [7, 8, 9]], continuations=[[20, 21, EOS], [30, EOS]])
     engine = ForcedBranching(3, engine=inner, measure=False)
-    module = scripted_module()
     prompts = torch.tensor([[PAD, 3], [4, 4]])
     mask = torch.tensor([[0, 1], [1, 1]])
-    sampled = engine.sample(module, prompts, mask, 2, greedy=False)
+    request = SampleRequest(prompts, mask, 2, options())
+    sampled = engine.sample(None, request)
     assert sampled.sequences.tolist() == [
         [PAD, 3, 5, EOS, PAD, PAD, PAD, PAD],
         [PAD, 3, 5, EOS, PAD, PAD, PAD, PAD],
@@ -175,20 +176,20 @@ def test_a_preamble_that_stops_early_is_the_whole_completion_of_every_member():
     ]
     assert sampled.logprobs is None and sampled.stats == {"rollout/preamble_stopped": 0.5}
     # the preamble call asks for 3 tokens of one sample; the continuation call gets prompt 1 + its preamble, the rest of
-    # the budget and the group size; the module's own budget is left as it was
+    # the budget and the group size; the request's own budget is left as it was
     (_, _, n1, budget1), (ids2, mask2, n2, budget2) = inner.calls
     assert (n1, budget1, n2, budget2) == (1, 3, 2, 7)
     assert ids2.tolist() == [[4, 4, 7, 8, 9]] and mask2.tolist() == [[1, 1, 1, 1, 1]]
-    assert module.max_new_tokens == 10
+    assert request.options.max_new_tokens == 10
 
 
 def test_greedy_and_single_samples_go_to_the_inner_engine_and_the_budget_is_checked():
     inner = Scripted(preambles=[[5, EOS]] * 4, continuations=[])
     engine = ForcedBranching(3, engine=inner, measure=False)
-    engine.sample(scripted_module(), torch.tensor([[3]]), torch.tensor([[1]]), 4, greedy=True)
+    engine.sample(None, SampleRequest(torch.tensor([[3]]), torch.tensor([[1]]), 4, options(), greedy=True))
     assert engine.plain_calls == 1 and engine.branched_calls == 0 and inner.calls[0][2] == 4
     with pytest.raises(ValueError, match="preamble_tokens"):
-        ForcedBranching(10).check(scripted_module(max_new_tokens=10))
+        ForcedBranching(10).check(None, options(max_new_tokens=10))
     with pytest.raises(ValueError, match="preamble_tokens"):
         ForcedBranching(0)
 

@@ -4,7 +4,7 @@ Every test here is marked ``gpu`` and skipped without a CUDA GPU (the vLLM ones 
 
     pytest -m gpu                      # before a long job; benchmarks/gpu_smoke.py runs it, then a short real run
 
-vLLM changes the process it runs in (see tests/test_vllm_engine.py), so run them in their own pytest process.
+vLLM changes the process it runs in (see tests/engines/test_vllm_engine.py), so run them in their own pytest process.
 """
 
 import copy
@@ -113,7 +113,7 @@ def test_a_weight_push_holds_one_weight_at_a_time_on_the_gpu(tmp_path):
     weight, not the model (a dict of every weight would add the whole model in bfloat16)."""
     from transformers import AutoModelForCausalLM
 
-    from lit_cancel.vllm_engine import merged_weights
+    from lit_cancel.engines.vllm_common import merged_weights
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model", hidden=512, layers=8)).cuda()
     sizes = [p.numel() * 2 for p in model.parameters()]

@@ -16,7 +16,7 @@ from torch.distributed.run import get_args_parser
 from lit_cancel import VLLMServerEngine
 from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError
-from lit_cancel.vllm_server import parser as serve_parser
+from lit_cancel.run.serve import parser as serve_parser
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 ROOT = Path(__file__).parents[1]

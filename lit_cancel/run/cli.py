@@ -182,7 +182,7 @@ class LitCancelCLI(LightningCLI):
         engine = getattr(self.model, "engine", None)
         if engine is not None:
             try:
-                engine.check(self.model)
+                engine.check(self.model.policy_weights(), self.model.sampling_options())
             except ValueError as error:
                 raise ConfigError(str(error)) from error
 

@@ -27,7 +27,7 @@ COMMANDS = ("fit", "validate", "export", "audit-objective", "serve", "diagnose")
 COMMAND_MODULES = {
     "export": "lit_cancel.run.export",
     "audit-objective": "lit_cancel.objectives.audit",
-    "serve": "lit_cancel.vllm_server",
+    "serve": "lit_cancel.run.serve",
     "diagnose": "lit_cancel.callbacks.doctor.command",
 }
 

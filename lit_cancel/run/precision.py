@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.connector import _PRECISION_INPUT
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
-from lit_cancel.decoding import cache_keyword
+from lit_cancel.engines.decode_loop import cache_keyword
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import resolve_model_path
 

@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from lit_cancel.engines.vllm_common import merged_weights
 from lit_cancel.lora import LoRA
 from lit_cancel.sharding import ModelRoot, fully_shard_model
-from lit_cancel.vllm_engine import merged_weights
 
 
 def lora_model(folder: str) -> torch.nn.Module:

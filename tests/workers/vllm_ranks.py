@@ -1,6 +1,6 @@
 """Two processes, one ``VLLMEngine`` each, that sample unevenly: rank 0 three times, 8 completions of up to 40 tokens
 each time; rank 1 once, one completion of up to 4 tokens. Each saves its completion lengths and its engine's parallel
-sizes (run by test_vllm_engine.py):
+sizes (run by tests/engines/test_vllm_engine.py):
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/workers/vllm_ranks.py OUT_PREFIX
 """

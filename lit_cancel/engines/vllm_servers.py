@@ -1,7 +1,7 @@
 """Rollouts from separate vLLM servers, with the weights pushed to them, synchronously or ahead of the trainer.
 
-:class:`VLLMServerEngine` sends each prompt's group as one request (:mod:`lit_cancel.rollout_messages`)
-to one of its servers (:mod:`lit_cancel.vllm_server`), spreading groups over the servers. After the
+:class:`VLLMServerEngine` sends each prompt's group as one request (:mod:`lit_cancel.engines.server_messages`)
+to one of its servers (:mod:`lit_cancel.engines.server_process`), spreading groups over the servers. After the
 policy changed, the next rollout first pushes its weights to every server as a new version, labelled
 with the run and the optimizer step; every completion comes back with the label of the weights that
 sampled it, and one that is not a version of this run, or older than allowed, is refused.
@@ -14,7 +14,6 @@ rollout is trained more than ``k`` rounds after the weights that sampled it.
 """
 
 import atexit
-import importlib.util
 import os
 import random
 import shutil
@@ -29,28 +28,24 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from lit_cancel.engines import RolloutEngine, Sampled
-from lit_cancel.rollout_messages import RolloutRequest, RolloutResult, SamplingOptions, StaleRolloutError, parse_result, version_label
-from lit_cancel.vllm_engine import (
-    _CPU_KV_CACHE,
-    _VLLM_OPTIONS,
-    INSTALL_LINES,
+from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.engines.launched_server import LaunchedServer, write_weights
+from lit_cancel.engines.server_messages import (
+    RolloutRequest,
+    RolloutResult,
+    ServerSampling,
+    StaleRolloutError,
+    parse_result,
+    version_label,
+)
+from lit_cancel.engines.server_process import ServerClient, ServerError
+from lit_cancel.engines.vllm_common import (
+    VLLM_OPTIONS,
     engine_dtype,
-    kv_cache_need,
-    kv_cache_refusal,
     merged_weights,
     prompt_seeds,
     sampled_completions,
     sampling_options,
-)
-from lit_cancel.vllm_server import (
-    ServerClient,
-    ServerError,
-    free_port,
-    server_command,
-    start_server,
-    stop_server,
-    wait_until_healthy,
 )
 
 _ENGINE_KEY = "model.init_args.engine.init_args"
@@ -70,22 +65,39 @@ def _in_background(function, *args) -> Future:
     return future
 
 
-def write_weights(weights: Iterable[tuple[str, Tensor]], folder: str) -> None:
-    """Writes ``weights``, ``(name, tensor)`` pairs such as :func:`~lit_cancel.vllm_engine.merged_weights` yields, as
-    ``folder/model.safetensors``, whole or not at all (written aside, then renamed). Each tensor is moved to host memory
-    as it comes: a GPU holds one of them at a time."""
-    from safetensors.torch import save_file
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
-    seen, tensors = set(), {}
-    for name, tensor in weights:
-        tensor = tensor.to("cpu").contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        tensors[name] = tensor.clone() if storage in seen else tensor  # tied weights share one
-        seen.add(storage)
-    partial = f"{folder}.partial"
-    os.makedirs(partial, exist_ok=True)
-    save_file(tensors, os.path.join(partial, "model.safetensors"))
-    os.replace(partial, folder)
+
+def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str, clients: list[ServerClient]) -> None:
+    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``; the other
+    processes take part in each gather of a sharded weight and keep nothing. Returns once every process is done."""
+    if _rank() == 0:
+        write_weights(weights, folder)
+        for client in clients:
+            try:
+                client.load_weights(folder, label)
+            except ServerError:  # a server that is down gets the weights when it answers again (VLLMServerEngine._current)
+                pass
+    else:
+        deque(weights, maxlen=0)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def group_requests(request: SampleRequest, oldest_step: int) -> tuple[RolloutRequest, ...]:
+    """One server request per prompt of ``request``, each seeded as :class:`~lit_cancel.VLLMEngine` seeds its prompts
+    (so both engines draw the same random numbers), from weights of step ``oldest_step`` or later."""
+    options = request.options
+    sampling = ServerSampling(
+        options.temperature, options.top_p, options.max_new_tokens, options.stop_token_ids, request.greedy,
+        tuple(sorted(sampling_options(options.generation_kwargs).items())),
+    )
+    seeds = prompt_seeds(len(request.input_ids), request.num_samples)
+    return tuple(
+        RolloutRequest(tuple(ids[mask.bool()].tolist()), request.num_samples, sampling, None if request.greedy else seed, oldest_step)
+        for ids, mask, seed in zip(request.input_ids.cpu(), request.attention_mask.cpu(), seeds, strict=True)
+    )
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -96,7 +108,7 @@ class VLLMServerEngine(RolloutEngine):
     must be able to read. Before sampling, a server that does not hold the current version (one that
     restarted, or whose transfer stopped half-way) gets it first. A request whose server stops
     answering (its connection refused, no answer for ``server_timeout`` seconds, or another server
-    answering at its URL: :class:`~lit_cancel.vllm_server.ServerClient`) is given up and sent to the next
+    answering at its URL: :class:`~lit_cancel.engines.server_process.ServerClient`) is given up and sent to the next
     server; when none answered for ``server_timeout`` seconds the run stops with an error naming the servers
     (the run's checkpoint callback saves ``last.ckpt``). A launched server is stopped with all its processes
     when the engine closes, at the latest when the trainer's process ends.
@@ -119,7 +131,7 @@ class VLLMServerEngine(RolloutEngine):
         server_timeout: seconds a server may give no answer before its requests are given up, and seconds to wait
             for some server to answer before the run stops.
         startup_timeout: seconds a launched server may take to start.
-        dtype: the launched server's dtype; None as :func:`~lit_cancel.vllm_engine.engine_dtype` chooses.
+        dtype: the launched server's dtype; None as :func:`~lit_cancel.engines.vllm_common.engine_dtype` chooses.
         max_model_len: the launched server's longest prompt plus completion; None: the model's.
         kv_cache_memory_bytes: the launched server's KV cache; None: 1 GiB without a GPU.
         server_args: further command-line arguments of the launched server (``vllm serve``'s).
@@ -129,7 +141,7 @@ class VLLMServerEngine(RolloutEngine):
         RLModule(engine=VLLMServerEngine(urls=["http://10.0.0.5:8000"], weights_dir="/shared/weights", max_staleness=1))
     """
 
-    supported_options = frozenset(_VLLM_OPTIONS)
+    supported_options = frozenset(VLLM_OPTIONS)
     holds_weights = True
 
     def __init__(
@@ -159,16 +171,12 @@ class VLLMServerEngine(RolloutEngine):
                 raise ValueError(f"{_ENGINE_KEY}.{name} must be > 0 seconds, got {seconds}")
         if not launch and (server_cpus or trainer_cpus or server_args):
             raise ValueError(f"{_ENGINE_KEY}: server_cpus, trainer_cpus and server_args are for a launched server (launch: true)")
-        if launch and importlib.util.find_spec("vllm") is None:
-            raise ImportError(f"VLLMServerEngine with launch: true starts a vLLM server here, and vLLM is not installed: "
-                              f"{INSTALL_LINES}; or give the urls of servers started elsewhere")
         self.launch, self.max_staleness, self.weights_dir = launch, max_staleness, weights_dir
-        self.server_cpus, self.trainer_cpus = server_cpus, trainer_cpus
-        self.request_timeout, self.server_timeout, self.startup_timeout = request_timeout, server_timeout, startup_timeout
-        self.dtype, self.max_model_len, self.kv_cache_memory_bytes = dtype, max_model_len, kv_cache_memory_bytes
-        self.server_args = list(server_args or [])
+        self.request_timeout, self.server_timeout, self.dtype = request_timeout, server_timeout, dtype
+        self.server = LaunchedServer(
+            server_cpus, trainer_cpus, startup_timeout, max_model_len, kv_cache_memory_bytes, list(server_args or [])
+        ) if launch else None
         self.clients: list[ServerClient] = []
-        self.process = None
         self.run = ""
         # the optimizer step of the weights on the servers, their label and folder; every label this run pushed, with its step
         self.step: int | None = None
@@ -180,41 +188,20 @@ class VLLMServerEngine(RolloutEngine):
         self.ahead: dict[tuple, tuple[Future, int]] = {}
         self.next_server = 0
         self._temporary: list[str] = []
-        self._trainer_placement: tuple[set[int], int] | None = None
 
-    # start and stop
-
-    def check(self, module) -> None:
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs, and a server to launch
         on a machine without a GPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens
-        (:func:`~lit_cancel.vllm_engine.kv_cache_need`)."""
+        (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`)."""
         for url in self.urls:
             try:
                 ServerClient(url).check()
             except ServerError as error:
                 raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
-        if self.launch and not torch.cuda.is_available():  # a server launched here runs on a CPU (the module is not on its device yet)
-            model = module.policy.model
-            model = model.get_base_model() if hasattr(model, "get_base_model") else model
-            need = kv_cache_need(model.config, module.tokenizer, self._dtype(module), self.max_model_len, self._server_options())
-            budget = self.kv_cache_memory_bytes or _CPU_KV_CACHE
-            if need is not None and budget < need[0]:
-                raise ValueError(kv_cache_refusal(
-                    need, budget, self.kv_cache_memory_bytes is not None, self.max_model_len is not None,
-                    f"{_ENGINE_KEY}.kv_cache_memory_bytes", f"{_ENGINE_KEY}.max_model_len", module.max_new_tokens,
-                ))
+        if self.server is not None:
+            self.server.check(policy, self._dtype(policy), options and options.max_new_tokens)
 
-    def _server_options(self) -> dict:
-        """The options in ``server_args`` that shape the KV cache, by vLLM's names."""
-        options, words = {}, iter(self.server_args)
-        for word in words:
-            name, _, value = word.partition("=")
-            if name in ("--block-size", "--kv-cache-dtype", "--hf-overrides"):
-                value = value or next(words, "")
-                options[name[2:].replace("-", "_")] = int(value) if name == "--block-size" and value.isdigit() else value
-        return options
-
-    def start(self, module) -> None:
+    def start(self, policy: PolicyWeights) -> None:
         """Connects to the servers (launching one first with ``launch``); the run's id labels its weights versions."""
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if self.launch and distributed:
@@ -230,9 +217,9 @@ class VLLMServerEngine(RolloutEngine):
         self.run, self.weights_dir = shared
         os.makedirs(self.weights_dir, exist_ok=True)
         atexit.register(self.close)  # the launched server and the temporary folders go with the process, however it ends
-        if self.launch:
+        if self.server is not None:
             try:
-                self.urls = [self._launch(module)]
+                self.urls = [self.server.start(policy, self._dtype(policy))]
             except BaseException:  # a server that failed to start, or a Ctrl-C while it started: none is left running
                 self.close()
                 raise
@@ -245,30 +232,6 @@ class VLLMServerEngine(RolloutEngine):
         """Whether a server's weights label is a version of this run's."""
         return label.startswith(f"{self.run}/")
 
-    def _launch(self, module) -> str:
-        folder = tempfile.mkdtemp(prefix="lit-cancel-server-")
-        self._temporary.append(folder)
-        model = module.policy.model
-        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-        dtype = self._dtype(module)
-        config.save_pretrained(folder)
-        module.tokenizer.save_pretrained(folder)
-        write_weights(merged_weights(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
-        os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
-        on_cpu = module.device.type == "cpu"
-        kv_bytes = self.kv_cache_memory_bytes or (_CPU_KV_CACHE if on_cpu else None)
-        port = free_port()
-        command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, self.server_args)
-        log_path = os.path.join(folder, "server.log")
-        self.process = start_server(command, self.server_cpus, log_path)
-        if self.trainer_cpus:
-            self._trainer_placement = os.sched_getaffinity(0), torch.get_num_threads()
-            os.sched_setaffinity(0, self.trainer_cpus)
-            torch.set_num_threads(len(self.trainer_cpus))
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(ServerClient(url), self.process, self.startup_timeout, log_path)
-        return url
-
     def close(self) -> None:
         """Stops the draws in flight and the launched server (every process of it, also when its own process died);
         the engine starts again when next used."""
@@ -278,14 +241,8 @@ class VLLMServerEngine(RolloutEngine):
             self.version_changed.notify_all()
         for client in self.clients:  # a server does not stop while it still answers requests
             client.give_up("the engine was closed")
-        if self.process is not None:
-            stop_server(self.process)
-        self.process = None
-        if self._trainer_placement is not None:  # the process goes back to the cores and threads it had
-            os.sched_setaffinity(0, self._trainer_placement[0])
-            torch.set_num_threads(self._trainer_placement[1])
-            self._trainer_placement = None
-        if self.launch:
+        if self.server is not None:
+            self.server.stop()
             self.urls = []
         if self.weights_dir in self._temporary:
             self.weights_dir = None
@@ -293,63 +250,36 @@ class VLLMServerEngine(RolloutEngine):
             shutil.rmtree(folder, ignore_errors=True)
         self._temporary, self.clients = [], []
 
-    # weights
-
-    def sync(self, module) -> float:
+    def sync(self, policy: PolicyWeights) -> float:
         started = time.perf_counter()
         if not self.clients:
-            self.start(module)
+            self.start(policy)
         # draws the servers may sample with the weights they hold finish on them first (the trainer waits for them here,
         # as the servers would, paused, until they finish): so every group of a draw comes from one weights version
         for future, oldest_step in list(self.ahead.values()):
             if self.step is not None and oldest_step <= self.step:
                 future.exception()
-        step = module.global_step
-        weights = merged_weights(module.policy.model, getattr(torch, self._dtype(module)))
+        step = policy.step
+        weights = merged_weights(policy.model, getattr(torch, self._dtype(policy)))
         label = version_label(self.run, len(self.pushed))
         folder = os.path.join(self.weights_dir, label.replace("/", "-"))
         self.pushed[label] = step
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank == 0:
-            write_weights(weights, folder)
-            for client in self.clients:
-                try:
-                    client.load_weights(folder, label)
-                except ServerError:  # a server that is down gets the weights when it answers again (_current)
-                    pass
-        else:  # every process takes part in each gather of a sharded weight, rank 0 alone keeps them
-            deque(weights, maxlen=0)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        push_weights(weights, folder, label, self.clients)
         previous = self.folder
         with self.version_changed:
             self.step, self.label, self.folder = step, label, folder
             self.version_changed.notify_all()
-        if rank == 0 and previous not in (None, folder):
+        if _rank() == 0 and previous not in (None, folder):
             shutil.rmtree(previous, ignore_errors=True)
         return time.perf_counter() - started
 
-    def _dtype(self, module) -> str:
-        return engine_dtype(self.dtype, next(module.policy.model.parameters()).dtype, module.device)
+    def _dtype(self, policy: PolicyWeights) -> str:
+        return engine_dtype(self.dtype, next(policy.model.parameters()).dtype, policy.device)
 
     def _current(self, client: ServerClient) -> None:
         """Gives ``client`` the current weights unless it reports holding them (a restarted server does not)."""
         if client.label() != self.label:
             client.load_weights(self.folder, self.label)
-
-    # sampling
-
-    def _requests(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool, oldest_step: int):
-        sampling = SamplingOptions(
-            module.temperature, module.top_p, module.max_new_tokens, tuple(module.stop_token_ids), greedy,
-            tuple(sorted(sampling_options(module.generation_kwargs).items())),
-        )
-        # seeded as VLLMEngine seeds, so that both engines draw the same random numbers
-        seeds = prompt_seeds(len(input_ids), num_samples)
-        return tuple(
-            RolloutRequest(tuple(ids[mask.bool()].tolist()), num_samples, sampling, None if greedy else seed, oldest_step)
-            for ids, mask, seed in zip(input_ids.cpu(), attention_mask.cpu(), seeds, strict=True)
-        )
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:
         """One request's result from the first server that answers it with acceptable weights. The request is sent again
@@ -388,24 +318,24 @@ class VLLMServerEngine(RolloutEngine):
         futures = [_in_background(self._generate, request) for request in requests]
         return [future.result() for future in futures], waited
 
-    def prefetch(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, seed: int, oldest_step: int) -> None:
+    def prefetch(self, policy: PolicyWeights, request: SampleRequest, seed: int, oldest_step: int) -> None:
         if not self.clients:
-            self.start(module)
+            self.start(policy)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            requests = self._requests(module, input_ids, attention_mask, num_samples, False, oldest_step)
+            requests = group_requests(request, oldest_step)
         key = tuple((r.prompt_ids, r.seed) for r in requests)
         if key not in self.ahead:
             self.ahead[key] = (_in_background(self._draw, requests), oldest_step)
 
-    def sample(self, module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, greedy: bool) -> Sampled:
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         if self.step is None:  # closed since the last push
-            self.sync(module)
-        requests = self._requests(module, input_ids, attention_mask, num_samples, greedy, oldest_step=self.step)
+            self.sync(policy)
+        requests = group_requests(request, oldest_step=self.step)
         key = tuple((r.prompt_ids, r.seed) for r in requests)
         queued = sum(1 for k, (future, _) in self.ahead.items() if k != key)
         started = time.perf_counter()
-        if not greedy and key in self.ahead:
+        if not request.greedy and key in self.ahead:
             future, _ = self.ahead.pop(key)
             results, server_wait = future.result()
         else:
@@ -413,7 +343,10 @@ class VLLMServerEngine(RolloutEngine):
         stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait}
         if self.max_staleness:
             stats["rollout/queue_depth"] = float(queued)
+        num_samples = request.num_samples
         completions = [ids for result in results for ids in result.completion_ids]
-        logprobs = None if greedy else [values for result in results for values in result.logprobs]
+        logprobs = None if request.greedy else [values for result in results for values in result.logprobs]
         steps = torch.tensor([result.step for result in results]).repeat_interleave(num_samples)
-        return sampled_completions(input_ids, num_samples, completions, logprobs, module.tokenizer.pad_token_id, steps=steps, stats=stats)
+        return sampled_completions(
+            request.input_ids, num_samples, completions, logprobs, request.options.pad_token_id, steps=steps, stats=stats
+        )

@@ -1,6 +1,7 @@
 """Rollout engines as parts: when the module syncs its engine, what it does with the sampler's log-probs,
-and the one-line error without vLLM. The vLLM engine itself is tested in test_vllm_engine.py."""
+and the one-line error without vLLM. The vLLM engine itself is tested in tests/engines/test_vllm_engine.py."""
 
+import dataclasses
 import importlib.util
 import subprocess
 from pathlib import Path
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from lit_cancel import AdditionTask, DecodeLoop, RLModule, RolloutDataModule
-from lit_cancel.engines import Sampled
+from lit_cancel.engines import Sampled, SampleRequest
+from lit_cancel.logprobs import completion_logprobs
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 class RecordingEngine(DecodeLoop):
@@ -21,17 +23,18 @@ class RecordingEngine(DecodeLoop):
     def __init__(self, gap: float = 0.0):
         self.gap, self.syncs = gap, []
 
-    def sync(self, module) -> float:
-        self.syncs.append(module.trainer.global_step if module._trainer is not None else None)
+    def sync(self, policy) -> float:
+        self.syncs.append(policy.step)
         return 0.01
 
-    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
-        sampled = super().sample(module, input_ids, attention_mask, num_samples, greedy)
-        if greedy:
+    def sample(self, policy, request) -> Sampled:
+        sampled = super().sample(policy, request)
+        if request.greedy:
             return sampled
-        sequences = sampled.sequences
-        full_mask = torch.cat([attention_mask.repeat_interleave(num_samples, 0), torch.ones_like(sequences[:, input_ids.shape[1]:])], 1)
-        logprobs = module.token_logprobs(sequences, full_mask, input_ids.shape[1])
+        sequences, prompt_length = sampled.sequences, request.input_ids.shape[1]
+        full_mask = torch.cat([request.attention_mask.repeat_interleave(request.num_samples, 0),
+                               torch.ones_like(sequences[:, prompt_length:])], 1)
+        logprobs = policy.root(completion_logprobs, sequences, full_mask, prompt_length, request.options.temperature)[0]
         return Sampled(sequences, logprobs - self.gap)
 
 
@@ -56,10 +59,10 @@ def test_the_engine_is_synced_before_the_first_rollout_after_each_step_and_after
 
     resumed = RLModule("embedded:tiny-adder", max_new_tokens=12, engine=RecordingEngine())
     resumed.rollout(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))
-    assert resumed.engine.syncs == [None]
+    assert resumed.engine.syncs == [0]
     fit(resumed, 6, tmp_path, ckpt_path=str(tmp_path / "last.ckpt"), mini_batches=2)
     # loading the checkpoint replaced the weights the engine had: it is synced again before step 4's round
-    assert resumed.engine.syncs == [None, 4]
+    assert resumed.engine.syncs == [0, 4]
 
 
 def test_sampler_logprobs_reach_the_objective_and_sync_time_is_logged(tmp_path):
@@ -95,13 +98,13 @@ class AutocastRecorder(DecodeLoop):
     def __init__(self, holds_weights: bool):
         self.holds_weights, self.seen = holds_weights, []
 
-    def sync(self, module) -> float:
+    def sync(self, policy) -> float:
         self.seen.append(("sync", torch.is_autocast_enabled("cpu")))
         return 0.0
 
-    def sample(self, module, input_ids, attention_mask, num_samples, greedy) -> Sampled:
+    def sample(self, policy, request) -> Sampled:
         self.seen.append(("sample", torch.is_autocast_enabled("cpu")))
-        return super().sample(module, input_ids, attention_mask, num_samples, greedy)
+        return super().sample(policy, request)
 
 
 @pytest.mark.parametrize("holds_weights", [False, True])
@@ -116,7 +119,7 @@ def test_under_bf16_mixed_an_engine_with_its_own_weights_samples_outside_autocas
 
 
 def test_the_vllm_engine_holds_its_own_weights_and_the_policy_engines_do_not():
-    from lit_cancel.vllm_engine import VLLMEngine
+    from lit_cancel.engines.vllm_colocated import VLLMEngine
 
     assert VLLMEngine.holds_weights and not DecodeLoop.holds_weights
 
@@ -130,26 +133,26 @@ def test_the_vllm_engine_holds_its_own_weights_and_the_policy_engines_do_not():
     ("float32", torch.float32, "cuda", "float32"),  # a dtype given is kept
 ])
 def test_the_vllm_engine_dtype_is_bfloat16_on_a_gpu_and_the_parameters_on_a_cpu(dtype, parameters, device, expected):
-    from lit_cancel.vllm_engine import engine_dtype
+    from lit_cancel.engines.vllm_common import engine_dtype
 
     assert engine_dtype(dtype, parameters, torch.device(device)) == expected
 
 
 def test_the_cuda_generators_vllm_seeds_are_put_back_when_cuda_is_initialised(monkeypatch):
-    from lit_cancel import vllm_engine
+    from lit_cancel.engines.vllm_common import random_state_kept
 
     restored = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["the run's CUDA state"])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
     before = torch.random.get_rng_state()
-    with vllm_engine._random_state_kept():
+    with random_state_kept():
         torch.manual_seed(0)
     assert restored == [["the run's CUDA state"]] and torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_weights_are_pushed_in_the_engines_dtype():
-    from lit_cancel.vllm_engine import merged_weights
+    from lit_cancel.engines.vllm_common import merged_weights
 
     model = torch.nn.Linear(2, 2)
     assert {t.dtype for _, t in merged_weights(model)} == {torch.float32}
@@ -157,7 +160,7 @@ def test_weights_are_pushed_in_the_engines_dtype():
 
 
 def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes_each_part(monkeypatch):
-    from lit_cancel.vllm_engine import VLLMEngine
+    from lit_cancel.engines.vllm_colocated import VLLMEngine
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -170,3 +173,20 @@ def test_a_sleeping_engine_gives_torchs_cached_memory_back_before_it_wakes_each_
     engine._wake(["weights"])  # awake already: nothing to do
     engine._wake()  # sampling: what is still asleep
     assert calls == ["empty_cache", ["weights"], "empty_cache", ["kv_cache"]] and not engine.asleep
+
+
+def test_the_engine_written_in_the_docs_gets_typed_requests_and_cuts_validation_completions():
+    """docs/engines.md's example engine, run as written: it sees the request's validation flag and options, not the module."""
+    text = (Path(__file__).parents[2] / "docs" / "engines.md").read_text()
+    source = text.split("## Writing an engine", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(source, "docs/engines.md", "exec"), namespace)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=48, engine=namespace["ShorterValidation"]())
+    options = module.sampling_options()
+    assert (options.max_new_tokens, options.stop_token_ids) == (48, tuple(module.stop_token_ids))
+    no_stop = dataclasses.replace(options, stop_token_ids=())  # every completion runs to its budget
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    policy = module.policy_weights()
+    for validation, width in [(False, 48), (True, 32)]:
+        sampled = module.engine.sample(policy, SampleRequest(ids, mask, 2, no_stop, validation=validation))
+        assert sampled.sequences.shape == (2, 3 + width)

@@ -1,4 +1,6 @@
-"""Sampling completions with a KV cache: one prefill per prompt, shared by its samples, and a plain decode loop.
+"""The engines that run the policy in the trainer's process: :class:`DecodeLoop` (the default) and :class:`HFGenerate`.
+
+The decode loop samples completions with a KV cache: one prefill per prompt, shared by its samples, and a plain loop.
 
 ``generate`` runs the prompt through the model once per returned sequence and spends a few
 milliseconds per step on bookkeeping that a fixed sampling recipe does not need. The loop here
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -28,6 +30,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest
 from lit_cancel.logprobs import position_ids_from_mask
 
 DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
@@ -209,3 +212,44 @@ def sample_completions(
             input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position, **with_cache,
         ).logits[:, -1]
     return sequences[:, :length]
+
+
+class HFGenerate(RolloutEngine):
+    """Hugging Face ``generate`` on the policy, with the module's options and ``generation_kwargs``."""
+
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
+        options = request.options
+        sampling = {} if request.greedy else {"temperature": options.temperature, "top_p": options.top_p, "top_k": 0}
+        config = GenerationConfig(
+            do_sample=not request.greedy,
+            max_new_tokens=options.max_new_tokens,
+            num_return_sequences=request.num_samples,
+            pad_token_id=options.pad_token_id,
+            eos_token_id=list(options.stop_token_ids),
+            **{**sampling, **options.generation_kwargs},
+        )
+        sequences = policy.root(_generate, input_ids=request.input_ids, attention_mask=request.attention_mask, generation_config=config)
+        return Sampled(sequences)
+
+
+def _generate(model: nn.Module, **kwargs) -> Tensor:
+    return model.generate(**kwargs)
+
+
+class DecodeLoop(HFGenerate):
+    """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
+
+    Models outside :data:`DECODE_LOOP_MODEL_TYPES`, generation options outside :data:`DECODE_LOOP_OPTIONS` are sampled
+    with ``generate`` instead; greedy decoding gives the same tokens either way.
+    """
+
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
+        options = request.options
+        if not supports_decode_loop(policy.model, options.generation_kwargs):
+            return super().sample(policy, request)
+        processors = logits_processors(options.generation_kwargs, options.temperature, options.top_p, request.greedy)
+        sequences = policy.root(
+            sample_completions, request.input_ids, request.attention_mask, request.num_samples, options.max_new_tokens,
+            options.stop_token_ids, options.pad_token_id, processors, request.greedy,
+        )
+        return Sampled(sequences)

@@ -6,11 +6,11 @@ import torch
 
 from lit_cancel import RLModule, VLLMServerEngine
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRolloutError, parse_result
+from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result
+from lit_cancel.engines.server_process import free_port
 from lit_cancel.rollouts import staleness_stats
-from lit_cancel.vllm_server import free_port
 
-OPTIONS = SamplingOptions(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), extra=(("top_k", 5),))
+OPTIONS = ServerSampling(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), extra=(("top_k", 5),))
 REQUEST = RolloutRequest(prompt_ids=(5, 6, 7), num_samples=2, options=OPTIONS, seed=11, oldest_step=4)
 
 
@@ -27,7 +27,7 @@ def test_a_request_is_one_group_with_the_modules_sampling_options():
     params = body["sampling_params"]
     assert (params["n"], params["temperature"], params["top_p"], params["max_tokens"]) == (2, 0.7, 0.9, 8)
     assert (params["stop_token_ids"], params["seed"], params["logprobs"], params["top_k"]) == ([1], 11, 0, 5)
-    greedy = RolloutRequest((5,), 1, SamplingOptions(0.7, 0.9, 8, (1,), greedy=True), None, 0).body()["sampling_params"]
+    greedy = RolloutRequest((5,), 1, ServerSampling(0.7, 0.9, 8, (1,), greedy=True), None, 0).body()["sampling_params"]
     assert (greedy["temperature"], greedy["top_p"]) == (0.0, 1.0) and "logprobs" not in greedy and "seed" not in greedy
 
 
@@ -87,5 +87,5 @@ def test_an_unreachable_server_is_refused_at_start_up_in_one_line_with_how_to_st
     url = f"http://127.0.0.1:{free_port()}"
     module = RLModule("embedded:tiny-adder", engine=VLLMServerEngine(urls=[url]))
     with pytest.raises(ValueError, match=rf"urls: no vLLM server answers at {url}; start one with: lit-cancel serve") as error:
-        module.engine.check(module)
+        module.engine.check(module.policy_weights(), module.sampling_options())
     assert "\n" not in str(error.value)

@@ -3,7 +3,7 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from lit_cancel import DecodeLoop, HFGenerate, RLModule
-from lit_cancel.decoding import logits_processors, sample_completions, supports_decode_loop
+from lit_cancel.engines.decode_loop import logits_processors, sample_completions, supports_decode_loop
 from lit_cancel.logprobs import position_ids_from_mask
 from lit_cancel.lora import LoRA
 from lit_cancel.tokenizer import build_char_tokenizer
@@ -146,7 +146,7 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     """Prefill, repeat for the samples, decode steps and dropping finished rows: the same keys and values as DynamicLayer."""
     from transformers.cache_utils import DynamicLayer
 
-    from lit_cancel.decoding import PreallocatedLayer
+    from lit_cancel.engines.decode_loop import PreallocatedLayer
 
     torch.manual_seed(0)
     growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=12)

@@ -22,7 +22,7 @@ class StaleRolloutError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
+class ServerSampling:
     """How to sample: the module's options and the ``generation_kwargs`` the server honours, in vLLM's names."""
 
     temperature: float
@@ -39,7 +39,7 @@ class RolloutRequest:
 
     prompt_ids: tuple[int, ...]
     num_samples: int
-    options: SamplingOptions
+    options: ServerSampling
     seed: int | None
     oldest_step: int
 

@@ -15,6 +15,8 @@ from transformers import GenerationConfig
 
 from lit_cancel import DecodeLoop, HFGenerate, RLModule, VLLMServerEngine
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.engines import SampleRequest
+from lit_cancel.engines.vllm_servers import group_requests
 from lit_cancel.generation import stop_token_ids
 from lit_cancel.hub import ASSETS
 from lit_cancel.rollouts import round_stats
@@ -106,8 +108,7 @@ def test_rollout_frac_truncated_counts_a_completion_ended_by_a_declared_stop_tok
 
 
 def test_the_server_engines_requests_carry_every_stop_token(bar_model):
-    engine = VLLMServerEngine(urls=["http://127.0.0.1:9"])
-    module = RLModule(bar_model, engine=engine)
+    module = RLModule(bar_model, engine=VLLMServerEngine(urls=["http://127.0.0.1:9"]))
     for greedy in (False, True):
-        requests = engine._requests(module, *encoded(module), 2, greedy, 0)
+        requests = group_requests(SampleRequest(*encoded(module), 2, module.sampling_options(), greedy), 0)
         assert [request.body()["sampling_params"]["stop_token_ids"] for request in requests] == [[EOS, BAR]] * len(PROMPTS)

@@ -3,7 +3,7 @@
 vLLM changes the process it runs in (torch.distributed, thread settings, LD_PRELOAD), so these
 tests run in their own pytest process, in an environment with the extra installed:
 
-    pytest tests/test_vllm_engine.py
+    pytest tests/engines/test_vllm_engine.py
 
 Without vLLM they are skipped.
 """
@@ -27,13 +27,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_engines import fit  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
+from lit_cancel.engines.vllm_common import log_level_option  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 from lit_cancel.run import commands  # noqa: E402
 from lit_cancel.run.cli import run_cli  # noqa: E402
-from lit_cancel.vllm_engine import log_level_option  # noqa: E402
 
-CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-vllm.yaml"
-RANKS_SCRIPT = Path(__file__).parent / "workers" / "vllm_ranks.py"
+CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-vllm.yaml"
+RANKS_SCRIPT = Path(__file__).parents[1] / "workers" / "vllm_ranks.py"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the engine's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
@@ -201,7 +201,7 @@ def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_pro
     module = vllm_module()
     module._device = torch.device("cuda", 1)  # the process's GPU, as Lightning sets it; the parameters stay here
     module.engine = VLLMEngine(kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.4)
-    module.engine.build(module)
+    module.engine.build(module.policy_weights())
     (kwargs,) = passed
     # no data or tensor parallelism: vLLM's world is this process alone
     assert kwargs["distributed_executor_backend"] == "external_launcher"
@@ -296,28 +296,29 @@ def test_training_steps_sync_the_engine_and_resume_resyncs_it(tmp_path):
 
 def test_the_kv_cache_check_agrees_with_vllm_to_the_byte():
     module = vllm_module()
-    assert module.engine.kv_cache_need(module) == (TINY_ADDER_KV_CACHE_NEED, 256, 4096, 128)
+    policy, options = module.policy_weights(), module.sampling_options()
+    assert module.engine.kv_cache_need(policy) == (TINY_ADDER_KV_CACHE_NEED, 256, 4096, 128)
     for budget, starts in [(TINY_ADDER_KV_CACHE_NEED - 1, False), (TINY_ADDER_KV_CACHE_NEED, True)]:
         engine = module.engine = VLLMEngine(kv_cache_memory_bytes=budget)
         if starts:
-            engine.check(module)
-            engine.build(module)
+            engine.check(policy, options)
+            engine.build(policy)
             assert engine.llm is not None
         else:
             with pytest.raises(ValueError, match=f"kv_cache_memory_bytes={budget} is too small"):
-                engine.check(module)
-            engine.check = lambda module: None
+                engine.check(policy, options)
+            engine.check = lambda policy, options: None
             with pytest.raises(ValueError, match="To serve at least one request"):  # vLLM's own refusal
-                engine.build(module)
+                engine.build(policy)
     # 100 tokens: one block, and the one vLLM keeps back (vLLM refuses 2**20 - 1 bytes and starts with 2**20)
     short = VLLMEngine(kv_cache_memory_bytes=2**20, max_model_len=100)
-    assert short.kv_cache_need(module) == (2**20, 100, 4096, 128)
-    short.check(module)
+    assert short.kv_cache_need(policy) == (2**20, 100, 4096, 128)
+    short.check(policy, options)
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_vllm_starts(tmp_path, monkeypatch, capfd):
     started = []
-    monkeypatch.setattr(VLLMEngine, "build", lambda self, module: started.append(module))
+    monkeypatch.setattr(VLLMEngine, "build", lambda self, policy: started.append(policy))
     monkeypatch.setattr(sys, "argv", [
         "lit-cancel", "fit", "--config", str(CONFIG), "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",

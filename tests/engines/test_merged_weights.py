@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from lit_cancel.vllm_engine import merged_weights
+from lit_cancel.engines.vllm_common import merged_weights
 
-SCRIPT = Path(__file__).parent / "workers" / "sharded_weights.py"
+SCRIPT = Path(__file__).parents[1] / "workers" / "sharded_weights.py"
 
 
 @pytest.fixture(scope="module")

