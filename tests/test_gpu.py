@@ -2,7 +2,7 @@
 
 Every test here is marked ``gpu`` and skipped without a CUDA GPU (the vLLM ones also without vLLM):
 
-    pytest -m gpu                      # before a long job; benchmarks/gpu_smoke.py runs it, then a short real run
+    pytest -m gpu                      # before a long job; benchmarks/performance/gpu_smoke.py runs it, then a short real run
 
 vLLM changes the process it runs in (see tests/engines/test_vllm_engine.py), so run them in their own pytest process.
 """

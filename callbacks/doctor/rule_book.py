@@ -1,7 +1,7 @@
 """The run doctor's rules (registered in :data:`diagnoses.RULES` on import), most fundamental cause first.
 
 Each threshold is a class attribute; docs/doctor.md says where each came from (the calibration runs of
-``benchmarks/doctor.py``). Trends compare the first and the last quarter of a series (:func:`diagnoses.head`,
+``benchmarks/doctor/planted_faults.py``). Trends compare the first and the last quarter of a series (:func:`diagnoses.head`,
 :func:`diagnoses.tail`), so a rule judges a run that has logged at least ``min_points`` values of what it needs.
 """
 
@@ -253,7 +253,7 @@ class KLDominates(Rule):
     name = "kl_dominates"
     needs = ("objective/kl_share",)
     rank = 50
-    # benchmarks/doctor.py --kl-sweep: on the quickstart, kl_coef 2 (share 0.054-0.056) kept 36% of the held-out accuracy
+    # benchmarks/doctor/planted_faults.py --kl-sweep: on the quickstart, kl_coef 2 (share 0.054-0.056) kept 36% of the held-out accuracy
     # gained without a KL in 60 steps, kl_coef 1 (0.034-0.036) 51%, kl_coef 0.5 (0.021-0.022) 84%
     max_share = 0.045
 
