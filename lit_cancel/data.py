@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.exports import EXPORTS
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
 from lit_cancel.producer import Processes, RolloutProducer
 from lit_cancel.rollouts import encode_prompts
@@ -332,7 +333,5 @@ def _class_path(value: object) -> str | None:
 def public_class_path(class_path: str) -> str:
     """``lit_cancel.NAME`` for the class path of a class that lit_cancel exports as ``NAME``, whichever of its modules
     the path names (checkpoints written before the sub-packages name ``lit_cancel.presets.GRPO``); else ``class_path``."""
-    import lit_cancel
-
     name = class_path.rpartition(".")[2]
-    return f"lit_cancel.{name}" if class_path.startswith("lit_cancel.") and name in lit_cancel.__all__ else class_path
+    return f"lit_cancel.{name}" if class_path.startswith("lit_cancel.") and name in EXPORTS else class_path

@@ -58,9 +58,8 @@ def bound_kernel_cache(capacity: int = 64) -> bool:
 
     oneDNN reads the variable once, when the process first runs one of its kernels, so lit_cancel calls this
     before its first model arithmetic (``RLModule``'s constructor, ``precision: auto``'s measurement). 64 kernels
-    is fewer than one step meets, so some are built again every step: at 0.8 M parameters in bf16 that took about
-    0.09 s a step (10 steps, ``ONEDNN_VERBOSE=profile_create``), for 40 to 70 MiB less peak memory; set the
-    variable to 1024 for oneDNN's default.
+    is fewer than one step meets, so some are built again every step (``ONEDNN_VERBOSE=profile_create`` shows them),
+    for less peak memory; set the variable to 1024 for oneDNN's default.
     """
     if KERNEL_CACHE_VARIABLE in os.environ:
         return False

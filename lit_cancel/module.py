@@ -101,10 +101,9 @@ class PolicyModule(L.LightningModule):
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
             :class:`~lit_cancel.DecodeLoop` when None. ``lit_cancel.VLLMEngine`` samples with vLLM.
         compile: ``torch.compile`` the model's decoder (``dynamic=True``, compiled when the trainer sets
-            the model up), which every decoding step and log-prob pass runs. On a 2-core CPU at 0.8 M
-            parameters it took a step from 0.50 s to 0.40 s after about 20 s of compilation
-            (benchmarks/README.md): for long runs of small models. Needs a C++ compiler on a CPU; not
-            with a sharding strategy.
+            the model up), which every decoding step and log-prob pass runs: it pays for its compilation
+            in long runs of small models (benchmarks/README.md has the figures). Needs a C++ compiler on a
+            CPU; not with a sharding strategy.
     """
 
     def __init__(
@@ -303,7 +302,7 @@ def compile_decoder(root: ModelRoot) -> bool:
     if getattr(decoder, "_compiled_call_impl", None) is not None:
         return False
     # inductor's vectorised C++ kernels (torch 2.13) corrupted the heap with AVX-512 and gave NaN logits with AVX2
-    # on a decoder that ran with and then without its KV cache; scalar kernels decoded as fast (0.23 s vs 0.30 s)
+    # on a decoder that ran with and then without its KV cache; scalar kernels decoded no slower
     decoder.compile(dynamic=True, options={"cpp.vec_isa_ok": False})
     return True
 
