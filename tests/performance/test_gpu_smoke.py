@@ -20,6 +20,7 @@ def test_the_dry_run_names_the_gpu_tests_the_short_run_and_the_table_and_exits_0
 
 def test_the_synthetic_word_problems_load_as_a_math_word_task_with_their_answers_rewarded(tmp_path):
     from gpu_smoke import synthetic_word_problems
+
     from lit_cancel import MathWordTask
 
     path = tmp_path / "train.jsonl"

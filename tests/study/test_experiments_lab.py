@@ -5,7 +5,6 @@ import ast
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest

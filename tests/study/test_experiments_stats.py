@@ -2,16 +2,13 @@
 
 import math
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
-
 from lab import stats as experiments
 from lab import summaries
+from scipy import stats as scipy_stats
 
 
 @pytest.mark.parametrize("df, quantile", [(1, 12.706205), (2, 4.302653), (4, 2.776445), (9, 2.262157), (30, 2.042272)])

@@ -9,6 +9,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from forced_branching import ForcedBranching, GroupSharedTokens, PreambleDrift
+from lab.parts import SharedPositionNoise
 from lit_cancel.callbacks.learning_tax import shared_positions as monitor_shared_positions
 
 from lit_cancel import RLModule, RolloutDataModule, ScaffoldedAdditionTask
@@ -18,9 +20,6 @@ from lit_cancel.objectives.audit import credits, learning_tax
 from lit_cancel.objectives.audit import shared_positions as audit_shared_positions
 from lit_cancel.objectives.presets import PRESETS
 from lit_cancel.rollouts import encode_prompts
-
-from forced_branching import ForcedBranching, GroupSharedTokens, PreambleDrift
-from lab.parts import SharedPositionNoise
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "benchmarks" / "study"
