@@ -8,10 +8,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from lab import runs
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study"
-
-from lab import runs
 
 ORDER = ["stats", "runs", "summaries", "cells", "sections_e10", "sections", "report"]  # each may import only those before it
 
