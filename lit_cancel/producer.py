@@ -136,7 +136,8 @@ class RolloutProducer:
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, policy.stop_token_ids)
         stats |= engine_stats | staleness_stats(kept, processes.step(), self.steps_per_round, policy.engine.max_staleness)
-        self.cannot_learn.warn(policy, stats, round_index + 1)
+        self.cannot_learn.warn(policy.policy_weights().model.parameters(), policy.sampling_options().max_new_tokens, stats,
+                               round_index + 1)
         return kept, stats
 
     def sample_draw(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,

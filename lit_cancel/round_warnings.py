@@ -2,9 +2,10 @@
 ``lit_cancel.callbacks.RunDoctor``, judges trends once a run has logged a few steps)."""
 
 import math
+from collections.abc import Iterable
 
-import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 
 from lit_cancel.sharding import total_norm
 
@@ -21,12 +22,12 @@ class CannotLearnWarnings:
         self.rounds: dict[str, int] = {}
         self.start_weight_norm: float | None = None
 
-    def warn(self, module: L.LightningModule, stats: dict[str, float], round_number: int) -> None:
+    def warn(self, parameters: Iterable[Tensor], max_new_tokens: int, stats: dict[str, float], round_number: int) -> None:
         """Warns, on rank 0, of what keeps this round from teaching the policy anything: every completion cut at
-        ``max_new_tokens``, no reward variance in any group, a weight norm that is not finite or above
-        ``EXPLODING_WEIGHT_NORM`` times its value at the first round. Each is warned at its first round and every
+        ``max_new_tokens``, no reward variance in any group, a norm of the trained ``parameters`` that is not finite or
+        above ``EXPLODING_WEIGHT_NORM`` times its value at the first round. Each is warned at its first round and every
         ``WARN_EVERY_N_ROUNDS`` rounds while it lasts."""
-        weight_norm = float(total_norm([p.detach() for p in module.parameters() if p.requires_grad]))
+        weight_norm = float(total_norm([p.detach() for p in parameters if p.requires_grad]))
         if self.start_weight_norm is None:
             self.start_weight_norm = weight_norm
         lasting = f"(warned every {WARN_EVERY_N_ROUNDS} rounds while it lasts)"
@@ -40,7 +41,7 @@ class CannotLearnWarnings:
         else:
             weights = None
         truncated = (
-            f"round {round_number}: every completion reached max_new_tokens={getattr(module, 'max_new_tokens', '?')} without an "
+            f"round {round_number}: every completion reached max_new_tokens={max_new_tokens} without an "
             f"end-of-sequence token, so every reward scores a cut-off answer; raise model.init_args.max_new_tokens {lasting}"
         )
         no_signal = (
