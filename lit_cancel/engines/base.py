@@ -117,6 +117,12 @@ class PolicyWeights:
         """The Hugging Face (or peft) model."""
         return self.root.model
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The Hugging Face model without its LoRA adapters' wrapper: the configuration an engine starts from."""
+        model = self.root.model
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
 
 class RolloutEngine(ABC):
     """Samples completions of left-padded prompts for a :class:`~lit_cancel.PolicyModule`.

@@ -75,9 +75,7 @@ class LaunchedServer:
         tokens (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`): the server would refuse to start."""
         if torch.cuda.is_available():  # checked before the module is on its device: the server will run on the GPU
             return
-        model = policy.model
-        model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        need = kv_cache_need(model.config, policy.tokenizer, dtype, self.max_model_len, kv_cache_options(self.server_args))
+        need = kv_cache_need(policy.base_model.config, policy.tokenizer, dtype, self.max_model_len, kv_cache_options(self.server_args))
         budget = self.kv_cache_memory_bytes or CPU_KV_CACHE
         if need is not None and budget < need[0]:
             raise ValueError(kv_cache_refusal(
@@ -88,11 +86,9 @@ class LaunchedServer:
     def start(self, policy: PolicyWeights, dtype: str) -> str:
         """Starts the server on the policy's current weights in ``dtype``; returns its URL once it answers."""
         self.folder = folder = tempfile.mkdtemp(prefix="lit-cancel-server-")
-        model = policy.model
-        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-        config.save_pretrained(folder)
+        policy.base_model.config.save_pretrained(folder)
         policy.tokenizer.save_pretrained(folder)
-        write_weights(merged_weights(model, getattr(torch, dtype)), os.path.join(folder, "weights"))
+        write_weights(merged_weights(policy.model, getattr(torch, dtype)), os.path.join(folder, "weights"))
         os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
         on_cpu = policy.device.type == "cpu"
         kv_bytes = self.kv_cache_memory_bytes or (CPU_KV_CACHE if on_cpu else None)

@@ -133,7 +133,7 @@ class VLLMEngine(RolloutEngine):
 
         if not current_platform.is_cpu():
             return None
-        model = _base_model(policy)
+        model = policy.base_model
         dtype = engine_dtype(self.dtype, next(model.parameters()).dtype, policy.device)
         return kv_cache_need(model.config, policy.tokenizer, dtype, self.max_model_len, self.llm_kwargs)
 
@@ -158,7 +158,7 @@ class VLLMEngine(RolloutEngine):
             quiet_vllm_start_up()
         from vllm import LLM
 
-        model = _base_model(policy)
+        model = policy.base_model
         on_gpu = policy.device.type == "cuda"
         self.sleep_mode = on_gpu if self.sleep is None else self.sleep
         if self.sleep_mode and not on_gpu:
@@ -256,9 +256,3 @@ class VLLMEngine(RolloutEngine):
             [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
         ]
         return sampled_completions(input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds)
-
-
-def _base_model(policy: PolicyWeights):
-    """The policy's model without its LoRA adapters' wrapper: the configuration vLLM starts from."""
-    model = policy.model
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
