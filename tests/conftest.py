@@ -11,6 +11,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lit_cancel.tokenizer import build_char_tokenizer
 
 
+def checksum_reward(record: dict, completion: str) -> float:
+    """A reward that differs between random completions, so an untrained model gets non-zero advantages; configs load it as
+    ``conftest.checksum_reward`` (tests/ is on the path of every test and of the runs they start)."""
+    return float(sum(map(ord, completion)) % 7)
+
+
 def save_tiny_model(folder, seed: int = 0, hidden: int = 32, layers: int = 2):
     """A randomly initialised Qwen2 with the character tokenizer, saved as a Hugging Face folder."""
     tokenizer = build_char_tokenizer()

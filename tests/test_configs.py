@@ -39,7 +39,7 @@ def real_model_args(config: str, tmp_path, model_path: str, data_file: str) -> l
 
 def test_single_gpu_recipe_trains_in_bf16_mixed(tmp_path, tiny_model_path, gsm8k_file):
     args = real_model_args("qwen2.5-0.5b-gsm8k.yaml", tmp_path, tiny_model_path, gsm8k_file)
-    cli = run_cli(["fit", *args, "--trainer.max_steps=2", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward"])
+    cli = run_cli(["fit", *args, "--trainer.max_steps=2", "--data.init_args.task.init_args.reward_fn=conftest.checksum_reward"])
     assert cli.trainer.global_step == 2
     assert cli.trainer.precision == "bf16-mixed"
     assert isinstance(cli.model.objective, DrGRPO) and cli.model.reference is None

@@ -259,7 +259,7 @@ def fsdp2_recipe(tmp_path, lit_cancel_script, *options: str) -> None:
          f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.init_args.model_path={model}",
          "--model.init_args.max_new_tokens=8", f"--data.init_args.task.init_args.train_file={gsm8k_file}",
          f"--data.init_args.task.init_args.val_file={gsm8k_file}", f"--data.init_args.prompts_per_round={2 * gpus}",
-         "--data.init_args.group_size=2", "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward", *options],
+         "--data.init_args.group_size=2", "--data.init_args.task.init_args.reward_fn=conftest.checksum_reward", *options],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]

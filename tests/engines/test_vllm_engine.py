@@ -383,7 +383,7 @@ def test_the_gpu_recipe_with_vllm_trains_with_a_stand_in_model_on_this_cpu(tmp_p
         f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}",
         f"--data.init_args.task.init_args.train_file={gsm8k_file}", f"--data.init_args.task.init_args.val_file={gsm8k_file}",
         "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=2",
-        "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward",
+        "--data.init_args.task.init_args.reward_fn=conftest.checksum_reward",
     ])
     assert cli.trainer.global_step == 2
     assert isinstance(cli.model.engine, VLLMEngine) and isinstance(cli.model.objective.correction, TokenTruncate)

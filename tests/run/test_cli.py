@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import checksum_reward
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
@@ -71,14 +72,9 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     assert moved
 
 
-def checksum_reward(record: dict, completion: str) -> float:
-    """A reward that differs between random completions, so an untrained model gets non-zero advantages."""
-    return float(sum(map(ord, completion)) % 7)
-
-
 def test_the_addition_task_takes_a_reward_fn_from_a_yaml_config(tmp_path):
     reward = tmp_path / "reward.yaml"
-    reward.write_text("data:\n  init_args:\n    task:\n      init_args:\n        reward_fn: test_cli.checksum_reward\n")
+    reward.write_text("data:\n  init_args:\n    task:\n      init_args:\n        reward_fn: conftest.checksum_reward\n")
     parsed = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
                               args=["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(reward)])
     task = parsed.datamodule.task
@@ -96,7 +92,7 @@ def test_real_model_path_trains_from_local_folder_and_jsonl(tmp_path, tiny_model
         f"--model.init_args.model_path={tiny_model_path}", "--model.init_args.max_new_tokens=8",
         f"--data.init_args.task.init_args.train_file={gsm8k_file}", "--data.init_args.task.init_args.val_size=2",
         "--data.init_args.prompts_per_round=2", "--data.init_args.group_size=4",
-        "--data.init_args.task.init_args.reward_fn=test_cli.checksum_reward", "--model.init_args.optimizer.init_args.lr=0.01",
+        "--data.init_args.task.init_args.reward_fn=conftest.checksum_reward", "--model.init_args.optimizer.init_args.lr=0.01",
     ])
     assert cli.trainer.global_step == 2
     assert cli.datamodule.tokenizer is cli.model.tokenizer  # one tokenizer, the policy's
