@@ -1,0 +1,53 @@
+"""Environments written for TRL's ``GRPOTrainer(environment_factory=...)``, run as lit_cancel environments.
+
+TRL's shape: a callable returns one environment instance per rollout; the instance's public methods (typed, with
+docstrings) are the tools; ``reset(**row)`` gets the dataset row's fields and returns None or text appended to the
+prompt; an optional ``get_reward()`` scores the finished rollout from the instance's state. :func:`from_trl_factory`
+turns such a callable into a factory of :class:`TRLEnvironment`, which runs the tools as :class:`ToolEnvironment`
+runs any (timeouts, capped output, errors the policy reads) and owns the reward where ``get_reward`` is defined.
+"""
+
+import inspect
+from collections.abc import Callable
+
+from lit_cancel.agents.tools import CallFormat, ToolEnvironment
+from lit_cancel.tasks import Record
+
+
+def public_methods(instance: object) -> list[Callable]:
+    """The instance's tools as TRL finds them: the public functions of its class other than ``reset`` and
+    ``get_reward``, bound to the instance (properties are not evaluated)."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+class TRLEnvironment(ToolEnvironment):
+    """One instance of a TRL ``environment_factory``: its public methods are the tools, its ``reset`` takes the record's
+    fields, its ``get_reward`` (where defined) the episode's reward.
+
+    Args:
+        instance: what the factory returned.
+        calls, timeout, max_output_chars, max_calls_per_turn: as :class:`ToolEnvironment`.
+    """
+
+    def __init__(self, instance: object, calls: CallFormat | None = None, timeout: float = 10.0, max_output_chars: int = 2000,
+                 max_calls_per_turn: int = 8):
+        name = type(instance).__name__
+        if not callable(getattr(instance, "reset", None)):
+            raise ValueError(f"{name}: an environment_factory's instance must define reset(**row), as TRL requires")
+        super().__init__(public_methods(instance), calls, timeout, max_output_chars, max_calls_per_turn)
+        self.instance = instance
+
+    def reset(self, record: Record) -> str | None:
+        return self.instance.reset(**record)
+
+    def reward(self) -> float | None:
+        get_reward = getattr(self.instance, "get_reward", None)
+        return None if get_reward is None else get_reward()
+
+
+def from_trl_factory(factory: Callable[[], object], **options) -> Callable[[], TRLEnvironment]:
+    """A factory of :class:`TRLEnvironment`, one new TRL instance each; ``options`` as :class:`TRLEnvironment` takes them.
+    One instance is built at once, so a factory whose tools lack docstrings is refused before training starts."""
+    TRLEnvironment(factory(), **options)
+    return lambda: TRLEnvironment(factory(), **options)
