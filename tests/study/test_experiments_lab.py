@@ -232,3 +232,26 @@ def test_every_stored_command_names_folders_and_classes_that_exist_where_they_ar
     for path in class_paths:
         module, _, name = path.rpartition(".")
         assert isinstance(getattr(importlib.import_module(module), name), type), path
+
+
+@pytest.mark.parametrize(("p", "p_tost", "mean", "expected"), [
+    (0.01, 0.9, -0.12, "effect, the predicted direction"),
+    (0.01, 0.9, 0.12, "effect, against the predicted direction"),
+    (0.30, 0.02, -0.01, "no difference larger than 0.10"),
+    (0.30, 0.20, -0.06, "inconclusive"),
+    (0.05, 0.05, -0.06, "inconclusive"),  # neither test rejects at exactly alpha
+])
+def test_e10_confirms_verdict_follows_its_preregistered_rule(p, p_tost, mean, expected):
+    from lab.sections_e10 import confirm_verdict
+
+    assert confirm_verdict(p, p_tost, mean, 0.10, predicted=-1) == expected
+
+
+def test_e10_confirm_runs_e10s_two_arms_on_fresh_seeds_with_e10s_commands():
+    confirm = runs.experiment_runs("E10C", [0])
+    e10 = {(run.arm, run.seed): run for run in runs.experiment_runs("E10", list(range(30)))}
+    assert len(confirm) == 68 and {run.arm for run in confirm} == {"DFPOMin", "DFPOMin-SharedNoise"}
+    assert {run.seed for run in confirm} == set(range(100, 134)) and not {run.seed for run in confirm} & {s for _, s in e10}
+    run = next(r for r in confirm if r.arm == "DFPOMin-SharedNoise" and r.seed == 100)
+    assert run.overrides == (*runs.e10_common(), *runs.e10_arms(100)["DFPOMin-SharedNoise"]) and run.path.parent.name == "E10C"
+    assert e10[("DFPOMin-SharedNoise", 0)].overrides == (*runs.e10_common(), *runs.e10_arms(0)["DFPOMin-SharedNoise"])

@@ -240,3 +240,8 @@ def test_verdict_follows_the_adjusted_p_when_given():
     assert experiments.verdict(-0.028, 0.027, p=0.2185) == "null"  # the interval excludes 0, Holm does not reject
     assert experiments.verdict(-0.028, 0.027, p=0.01) == "effect"
     assert experiments.verdict(0.01, 0.05, mde=0.07, relevant=0.05, p=0.6) == "inconclusive"
+
+
+@pytest.mark.parametrize(("successes", "n"), [(19, 30), (11, 30), (15, 30), (0, 10), (10, 10), (3, 7), (17, 34)])
+def test_the_sign_test_is_scipys_exact_binomial_test(successes, n):
+    assert experiments.sign_test(successes, n) == pytest.approx(scipy_stats.binomtest(successes, n).pvalue, rel=1e-12)

@@ -19,7 +19,7 @@ from lab.cells import (
     trend,
 )
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, E7_TRUST_REGIONS, STUDY
-from lab.sections_e10 import e10_section
+from lab.sections_e10 import e10_confirm_section, e10_section
 from lab.stats import mean_interval, t_test
 from lab.summaries import (
     BINNED_SPLITS,
@@ -371,4 +371,6 @@ def experiment_sections(results: dict, probes: dict[int, dict]) -> list[str]:
     lines += (e6_section(probes) if probes else ["#### E6 coupling", "", "Not run yet."]) + [""]
     for name, section in LATER_SECTIONS.items():
         lines += (section(dict(results[name])) if name in results else [f"#### {TITLES[name]}", "", "Not run yet."]) + [""]
+    if "E10C" in results:
+        lines += e10_confirm_section(dict(results["E10C"]), dict(results.get("E10", {}))) + [""]
     return lines

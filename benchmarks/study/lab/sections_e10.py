@@ -22,8 +22,18 @@ from lab.cells import (
     format_p,
     scientific_cell,
 )
-from lab.runs import E10_SEEDS, E10_SETTING, WALL_CLOCK, compare_scalars, without_timings
-from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
+from lab.runs import E10_SEEDS, E10_SETTING, E10C_ARMS, E10C_SEEDS, WALL_CLOCK, compare_scalars, without_timings
+from lab.stats import (
+    ALPHA,
+    mean_interval,
+    minimal_detectable_effect,
+    paired_difference,
+    paired_t_test,
+    paired_values,
+    sign_test,
+    t_quantile,
+    tost,
+)
 from lab.summaries import at_matched_movement, matched_movement
 
 BASE = "DFPOMin"
@@ -260,3 +270,73 @@ def e10_section(runs: dict) -> list[str]:
     lines += _secondary_lines(arms) + ["", _identity_line(arms), ""] + _untested_lines(arms)
     return lines
 
+
+
+# E10-confirm's outcomes as pre-registered: (key, label, TOST margin, the sign Prop. 3.1 predicts, primary)
+CONFIRM_OUTCOMES = (("preference_entropy", "P2: preference entropy (end)", 0.10, -1, True),
+                    ("preamble_kl", "P1: KL from start at the preamble contexts", 0.05, 1, False))
+
+
+def confirm_verdict(p: float, p_tost: float, mean: float, margin: float, predicted: int) -> str:
+    """E10-confirm's pre-registered rule: an effect (its direction, and whether it is the predicted one) where p < 0.05;
+    else no difference larger than the margin where TOST rejects at 0.05; else inconclusive."""
+    if p < ALPHA:
+        return "effect, the predicted direction" if mean * predicted > 0 else "effect, against the predicted direction"
+    return f"no difference larger than {margin:.2f}" if p_tost < ALPHA else "inconclusive"
+
+
+def _confirm_row(noise: dict[int, dict], base: dict[int, dict], key: str, label: str, margin: float, predicted: int,
+                 primary: bool) -> tuple[str, str]:
+    """One outcome's row of E10-confirm's table, and its verdict."""
+    a, b = finite_values(noise, key), finite_values(base, key)
+    differences = paired_values(a, b)
+    mean, half, n = paired_difference(a, b)
+    if n < 2:
+        return f"| {label} | {'primary' if primary else 'secondary'} | {n} | – | – | – | – | – | – | n/a |", "n/a"
+    _, p, _ = paired_t_test(a, b)
+    p_tost = tost(differences, margin)[0]
+    sd = half / t_quantile(0.975, n - 1) * math.sqrt(n)
+    agreeing = sum(1 for d in differences if d * predicted > 0)
+    call = confirm_verdict(p, p_tost, mean, margin, predicted)
+    return (f"| {label} | {'primary' if primary else 'secondary'} | {n} | {format_interval(mean, half)} | {sd:.3f} "
+            f"| {minimal_detectable_effect(half, n):.3f} | {format_p(p)} | {format_p(p_tost)} (±{margin:.2f}) "
+            f"| {agreeing} of {n} (sign p {format_p(sign_test(agreeing, n))}) | **{call}** |"), call
+
+
+def e10_confirm_section(runs: dict, e10: dict) -> list[str]:
+    """E10-confirm's table (``(arm, setting) -> seed -> summary`` of its runs), its replication verdict by the
+    pre-registered rule, and the descriptive pooled estimate over E10's and E10-confirm's seeds (``e10``: E10's runs)."""
+    arms = {name: seeds for (name, setting), seeds in runs.items() if setting == E10_SETTING}
+    base, noise = arms.get(BASE, {}), arms.get("DFPOMin-SharedNoise", {})
+    stored = sum(len(arms.get(arm, {})) for arm in E10C_ARMS)
+    commits = sorted({run["commit"] for seeds in arms.values() for run in seeds.values()})
+    cpus = sorted({run["cpu"] for seeds in arms.values() for run in seeds.values()})
+    lines = ["#### E10-confirm (E10's untouched and noise arms on seeds "
+             f"{_seeds(list(E10C_SEEDS))}; pre-registered above)", "",
+             f"Stored: {stored} of {len(E10C_ARMS) * len(E10C_SEEDS)} runs; commit {', '.join(c[:7] for c in commits) or '–'}; "
+             f"CPU {', '.join(cpus) or '–'}.", ""]
+    if not base or not noise:
+        return lines + ["No paired runs yet."]
+    lines += ["| outcome (`DFPOMin-SharedNoise` − `DFPOMin`, paired by seed) | test | n | difference (95%) | SD | MDE (80%) "
+              "| p | TOST p | seeds the predicted way | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    calls = {}
+    for key, label, margin, predicted, primary in CONFIRM_OUTCOMES:
+        row, calls[key] = _confirm_row(noise, base, key, label, margin, predicted, primary)
+        lines.append(row)
+    tax = paired_difference(finite_values(noise, "tax"), finite_values(base, "tax"))
+    accuracy = paired_difference(finite_values(noise, "val_end"), finite_values(base, "val_end"))
+    replicated = calls["preference_entropy"] == "effect, the predicted direction"
+    lines += ["", f"Manipulation check (no test): learning tax {format_interval(tax[0], tax[1], 4)}; `val/accuracy` at step 40 "
+              f"{format_interval(accuracy[0], accuracy[1])} (n={accuracy[2]}).", "",
+              f"**Replication of E10's P2 effect (the pre-registered rule: E10-confirm's P2 verdict alone): "
+              f"{'replicated' if replicated else 'not replicated'}.**"]
+    e10_arms = {name: seeds for (name, setting), seeds in e10.items() if setting == E10_SETTING}
+    earlier_noise, earlier_base = e10_arms.get("DFPOMin-SharedNoise", {}), e10_arms.get(BASE, {})
+    pooled = {key: paired_values(finite_values(earlier_noise, key), finite_values(earlier_base, key))
+              + paired_values(finite_values(noise, key), finite_values(base, key)) for key, *_ in CONFIRM_OUTCOMES}
+    described = [f"{label.split(':')[0]} {format_interval(*mean_interval(values))} (n={len(values)})"
+                 for (key, label, *_), values in zip(CONFIRM_OUTCOMES, pooled.values(), strict=True) if len(values) >= 2]
+    if described:
+        lines += ["", "Pooled over E10's seeds and E10-confirm's (descriptive only, not a test: E10's seeds chose this "
+                  f"follow-up), noise − untouched: {'; '.join(described)}."]
+    return lines

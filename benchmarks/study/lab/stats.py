@@ -91,6 +91,14 @@ def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float,
     return mean, quantile * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def sign_test(successes: int, n: int) -> float:
+    """The exact two-sided p of ``successes`` of ``n`` signs under a fair coin: twice the smaller tail, at most 1."""
+    if n == 0:
+        return math.nan
+    tail = sum(math.comb(n, k) for k in range(min(successes, n - successes) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 def paired_values(a: dict[int, float], b: dict[int, float]) -> list[float]:
     """``a[seed] - b[seed]`` over the seeds both have, in seed order."""
     return [a[s] - b[s] for s in sorted(set(a) & set(b))]

@@ -151,7 +151,7 @@ def load_e10(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict
 
 def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
     """``experiment -> (arm, setting) -> seed -> summary`` of every stored run in ``folder`` (default
-    ``benchmarks/study/results``); E10's main runs come from :func:`load_e10`."""
+    ``benchmarks/study/results``); E10's main runs and E10-confirm's come from :func:`load_e10`."""
     folder = folder or RESULTS
     results: dict = defaultdict(lambda: defaultdict(dict))
     for path in sorted(folder.glob("E[1-9]/*-seed*.json")):
@@ -159,9 +159,10 @@ def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int
         if "scalars" not in record:  # E6's probes
             continue
         results[record["experiment"]][(record["arm"], record["setting"])][record["seed"]] = summary(record)
-    e10 = load_e10(folder / "E10")
-    if e10:
-        results["E10"] = defaultdict(dict, e10)
+    for name in ("E10", "E10C"):  # E10 and its confirmation store their runs alike
+        runs = load_e10(folder / name)
+        if runs:
+            results[name] = defaultdict(dict, runs)
     return results
 
 
