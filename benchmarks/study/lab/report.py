@@ -12,9 +12,9 @@ from pathlib import Path
 from lab.cells import EQUIVALENCE_MARGIN, FAMILIES, finite_values, format_p, pair
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
 from lab.sections import SHARED, experiment_sections
-from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY
+from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_verdict
 from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
-from lab.stats import ALPHA, fieller_interval, mean_interval, paired_difference, paired_values, tost
+from lab.stats import ALPHA, fieller_interval, mean_interval, paired_difference, paired_t_test, paired_values, tost
 from lab.summaries import confidence_adjusted, load
 
 DOC = ROOT / "docs" / "experiments.md"
@@ -165,7 +165,7 @@ def readme_lines(results: dict) -> list[str]:
         f"* **Batching plans did not help**: at μ = 4, 8 mini-batches, reward-balanced − shuffled {_signed(rb, 3)} ± {rb_half:.3f} "
         f"(Holm p {_adjusted('E9 accuracy', pair('reward_balanced', 'shuffled'))}, no effect);",
         f"  sorting by sign, its opposite, is within {points} points of it (TOST p {format_p(sorted_tost)}).",
-        *e10_readme_lines(results["E10"]),
+        *e10_readme_lines(results["E10"], results.get("E10C")),
         README_END,
     ]
 
@@ -173,23 +173,37 @@ def readme_lines(results: dict) -> list[str]:
 P2, _, P2_MARGIN = E10_OUTCOMES[1]  # E10's preference drift: its key, label and equivalence margin
 
 
-def e10_readme_lines(runs: dict) -> list[str]:
-    """E10's bullet: the noise arm's and GRPO's preference drift (P2), with the verdicts of the pre-registered tests."""
+def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
+    """E10's bullet: the noise arm's and GRPO's preference drift (P2) with the verdicts of the pre-registered tests, and
+    E10-confirm's fresh seeds (``confirm``, its runs) with the replication verdict its pre-registration fixed."""
     arms = {arm: seeds for (arm, _), seeds in runs.items()}
     base = finite_values(arms[BASE], P2)
     noise, noise_half, n = paired_difference(finite_values(arms["DFPOMin-SharedNoise"], P2), base)
     noise_holm = FAMILIES.adjusted[PRIMARY][("DFPOMin-SharedNoise", P2)]
     grpo_tost = FAMILIES.adjusted[PRIMARY_TOST][("GRPO", P2)]
     shrink = _mean(arms["DFPOMin-SharedNoise"], "tax") / _mean(arms["GRPO"], "tax")
-    drift = "drifts the policy, at the edge" if noise_holm < ALPHA else "did not measurably drift the policy"
-    grpo = f"did not (within ±{P2_MARGIN:.2f}, TOST)" if grpo_tost < ALPHA else "is inconclusive"
+    grpo = (f"stayed within ±{P2_MARGIN:.2f} of it (TOST; a margin as large as the noise arm's whole effect)" if grpo_tost < ALPHA
+            else "is inconclusive")
     unseen = FAMILIES.adjusted[SENSITIVITY][("DFPOMin-SharedNoise", P2)]
-    return [
-        f"* **Uncancelled credit on shared, uncertain tokens {drift}** (forced branching, {n} seeds, pre-registered): zero-mean",
-        f"  noise on that credit moved the entropy of the preference among equivalent solutions by {_signed(noise, 3)} ± {noise_half:.3f} "
-        f"nats (Holm p {format_p(noise_holm)};",
-        f"  seeds the pilot did not see, alone: Holm p {format_p(unseen)}); GRPO's tax, {shrink:.0f}× smaller, {grpo}.",
-    ]
+    e10 = (f"E10 ({n} seeds): {_signed(noise, 3)} ± {noise_half:.3f} nats of the entropy of the preference among equivalent "
+           f"solutions\n  (Holm p {format_p(noise_holm)}, one of two primary outcomes; seeds the pilot did not see, alone: Holm p "
+           f"{format_p(unseen)})")
+    if not confirm:
+        headline = "moved the preference in E10, at Holm's edge" if noise_holm < ALPHA else "did not measurably drift the policy"
+        return [f"* **Zero-mean credit on shared, uncertain tokens {headline}** (forced branching, pre-registered):",
+                f"  {e10};", f"  GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
+    confirmed = {arm: seeds for (arm, _), seeds in confirm.items()}
+    a, b = finite_values(confirmed.get("DFPOMin-SharedNoise", {}), P2), finite_values(confirmed.get(BASE, {}), P2)
+    again, again_half, again_n = paired_difference(a, b)
+    p = paired_t_test(a, b)[1]
+    call = confirm_verdict(p, tost(paired_values(a, b), P2_MARGIN)[0], again, P2_MARGIN, predicted=-1)
+    replicated = call == "effect, the predicted direction"
+    headline = ("moved the preference, and fresh seeds replicated it" if replicated
+                else "moved the preference in E10; fresh seeds did not replicate it")
+    return [f"* **Zero-mean credit on shared, uncertain tokens {headline}** (forced branching, pre-registered):",
+            f"  {e10};",
+            f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} (p {format_p(p)}, {call}). "
+            f"GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
 
 
 def _signed(value: float, digits: int) -> str:
