@@ -166,7 +166,8 @@ class RolloutEngine(ABC):
         with weights of optimizer step ``oldest_step`` or later. Called only when :attr:`max_staleness` is above 0."""
         raise NotImplementedError(f"{type(self).__name__} samples on demand: its max_staleness is 0")
 
-    def check(self, policy: PolicyWeights, options: SamplingOptions) -> None:
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         """Raises ValueError, in one line naming the option to change, when the engine cannot serve the policy as
-        configured; the CLI calls it at start-up, before the engine starts. Nothing to check by default."""
+        configured; the CLI calls it at start-up, before the engine starts (an engine may call it again as it starts, with
+        ``options`` None). Nothing to check by default."""
         return None
