@@ -4,7 +4,7 @@ A server is vLLM's own OpenAI-compatible server with two switches on: ``--enable
 the token-in/token-out route ``/inference/v1/generate``, and ``VLLM_SERVER_DEV_MODE=1`` for the
 routes a trainer needs (``/pause``, ``/resume``, ``/collective_rpc``, ``/reset_prefix_cache``,
 ``/update_weight_version``, ``/weight_info``). :func:`server_command` is the command line;
-``lit-cancel serve --config CONFIG`` checks its options, then runs it for a config's model (:func:`main`).
+``lit-cancel serve --config CONFIG`` checks its options, then runs it for a config's model (:func:`lit_cancel.run.serve.main`).
 
 New weights reach a server as a folder of safetensors files that the server can read (a folder on a
 shared filesystem between machines): :meth:`ServerClient.load_weights` pauses generation once the
