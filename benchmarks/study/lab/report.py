@@ -198,12 +198,16 @@ def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
     p = paired_t_test(a, b)[1]
     call = confirm_verdict(p, tost(paired_values(a, b), P2_MARGIN)[0], again, P2_MARGIN, predicted=-1)
     replicated = call == "effect, the predicted direction"
+    p1 = E10_OUTCOMES[0][0]
+    kl_a, kl_b = finite_values(confirmed.get("DFPOMin-SharedNoise", {}), p1), finite_values(confirmed.get(BASE, {}), p1)
+    kl, kl_half, _ = paired_difference(kl_a, kl_b)
     headline = ("moved the preference, and fresh seeds replicated it" if replicated
                 else "moved the preference in E10; fresh seeds did not replicate it")
     return [f"* **Zero-mean credit on shared, uncertain tokens {headline}** (forced branching, pre-registered):",
             f"  {e10};",
-            f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} (p {format_p(p)}, {call}). "
-            f"GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
+            f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} (p {format_p(p)}, {call}); "
+            f"its secondary, the KL at the shared contexts, {_signed(kl, 3)} ± {kl_half:.3f} (p {format_p(paired_t_test(kl_a, kl_b)[1])});",
+            f"  GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
 
 
 def _signed(value: float, digits: int) -> str:
