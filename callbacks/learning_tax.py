@@ -17,11 +17,12 @@ from typing_extensions import override
 # What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
 # or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
 CONTRACT = {
-    "completion_mask": "[B, C]",  # 1 on completion tokens
+    "completion_mask": "[B, C]",  # 1 on the policy's completion tokens (not on an environment's, in multi-turn episodes)
     "credits": "[B, C]",  # -d loss / d logprobs, detached
     "group_ids": "[B]",  # the group (prompt) of each row
 }
-# the completion tokens: completion_ids, or else input_ids after prompt_length
+# the completion tokens: completion_ids (their context: completion_mask), or else input_ids after prompt_length (their
+# context: attention_mask after prompt_length, which holds the environment's tokens of multi-turn episodes too)
 COMPLETION_IDS = {"completion_ids": "[B, C]"}
 SEQUENCES = {"prompt_length": "int", "input_ids": "[B, P + C]", "attention_mask": "[B, P + C]"}
 # for the KL on shared contexts
@@ -77,22 +78,29 @@ def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any
     return values
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
     A group's shared positions are its longest common prefix, the single path of its prefix trie
-    before the first branch. Groups with one member in the batch have no shared positions.
+    before the first branch, over each row's context: ``context_mask`` ``[B, C]`` (``mask`` when
+    None), e.g. ``attention_mask[:, P:]`` of multi-turn episodes, whose environment tokens are in
+    the context but not in ``mask``. Members agree at a position that all of them hold in their
+    context, with the same token, from the same source (all in ``mask`` or none), so a prefix runs
+    on through an observation they share; of that prefix only the ``mask`` positions are marked, the
+    tokens that get credit. Groups with one member in the batch have no shared positions.
     """
+    context = mask if context_mask is None else context_mask
     _, group = torch.unique(group_ids, return_inverse=True)
     groups = int(group.max()) + 1 if len(group) else 0
     rows = torch.arange(len(group), device=group.device)
-    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")
-    agrees = ((tokens == tokens[first_row[group]]) & mask.bool()).long()
+    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
+    credited = mask.bool()
+    agrees = ((tokens == tokens[first_row]) & (credited == credited[first_row]) & context.bool()).long()
     everyone = torch.ones(groups, tokens.shape[1], dtype=torch.long, device=tokens.device)
     everyone = everyone.scatter_reduce(0, group.unsqueeze(1).expand_as(agrees), agrees, reduce="amin")
     members = torch.bincount(group, minlength=groups)
     prefix = everyone.cumprod(1).bool() & (members > 1).unsqueeze(1)
-    return prefix[group]
+    return prefix[group] & credited
 
 
 @contextmanager
@@ -148,23 +156,29 @@ class StepSnapshot:
                 module.reshard()
 
 
-def uncancelled_credit(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """``(uncancelled, total)``: ``sum_groups sum_shared |sum_i c_it|`` and ``sum |c_it|``."""
-    shared = shared_positions(tokens, mask, group_ids)
+def uncancelled_credit(
+    credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(uncancelled, total)``: ``sum_groups sum_shared |sum_i c_it|`` and ``sum |c_it|`` (``context_mask`` as in
+    :func:`shared_positions`)."""
+    shared = shared_positions(tokens, mask, group_ids, context_mask)
     _, group = torch.unique(group_ids, return_inverse=True)
     per_group = torch.zeros(int(group.max()) + 1, credits.shape[1], dtype=credits.dtype, device=credits.device)
     per_group.index_add_(0, group, credits * shared)
     return per_group.abs().sum(), (credits * mask).abs().sum()
 
 
-def shared_contexts(tokens: Tensor, mask: Tensor, group_ids: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
+def shared_contexts(
+    tokens: Tensor, mask: Tensor, group_ids: Tensor, prompt_length: int, context_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(rows, positions)``: one representative row per group, and the ``[N, 2]`` ``(row in rows, position)``
-    of the sequence positions that predict its shared completion tokens.
+    of the sequence positions that predict its shared completion tokens (``context_mask`` as in
+    :func:`shared_positions`: the environment's tokens of an episode are context, never predicted).
 
     A row with no shared context stands in when the batch has none, so that every process runs the
     same passes (sharded models gather parameters in each).
     """
-    shared = shared_positions(tokens, mask, group_ids)
+    shared = shared_positions(tokens, mask, group_ids, context_mask)
     _, group = torch.unique(group_ids, return_inverse=True)
     index = torch.arange(len(group), device=group.device)
     first_row = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, index, reduce="amin")
@@ -182,7 +196,9 @@ class LearningTaxMonitor(Callback):
 
     Each optimizer step has per-token credits ``c`` (the update is ``-sum c grad logp``). Within a
     group (the rollouts of one prompt) the positions every member shares (same prefix, same next
-    token) should get credits that cancel. The learning tax is what does not::
+    token) should get credits that cancel. In multi-turn episodes the prefix runs on through the
+    environment's tokens (in ``attention_mask``, out of ``completion_mask``) while every member has
+    the same, and only the policy's tokens in it count. The learning tax is what does not cancel::
 
         tax = sum_groups sum_shared |sum_i c_it| / sum |c_it|
 
@@ -198,10 +214,13 @@ class LearningTaxMonitor(Callback):
     Mapping, or an object with the attribute); ``B`` rows, ``P`` prompt positions, ``C``
     completion positions:
 
-    * ``completion_mask``, ``credits`` ``[B, C]`` (``-d loss / d logprobs``, detached), ``group_ids``
-      ``[B]`` (``CONTRACT``);
-    * the completion tokens: ``completion_ids`` ``[B, C]``, or else ``input_ids`` ``[B, P + C]``
-      after ``prompt_length`` ``P`` (an int);
+    * ``completion_mask`` ``[B, C]`` (1 on the policy's tokens, 0 on padding and on the environment's
+      tokens of a multi-turn episode), ``credits`` ``[B, C]`` (``-d loss / d logprobs``, detached),
+      ``group_ids`` ``[B]`` (``CONTRACT``);
+    * the completion tokens: ``completion_ids`` ``[B, C]`` (single-turn: their context is the
+      ``completion_mask``), or else ``input_ids`` and ``attention_mask`` ``[B, P + C]`` after
+      ``prompt_length`` ``P`` (an int; the context is ``attention_mask[:, P:]``, 1 on the
+      environment's tokens of an episode too);
     * for the KL, also ``input_ids`` and ``attention_mask`` ``[B, P + C]`` and ``prompt_length``
       (``KL_CONTRACT``), and the LightningModule method
       ``next_token_logprobs(input_ids, attention_mask, positions) -> [N, V]`` (``NextTokenLogprobs``;
@@ -296,8 +315,8 @@ class LearningTaxMonitor(Callback):
         if self._measures_kl(self._step):
             fields = read_contract("LearningTaxMonitor", KL_CONTRACT, outputs, batch)
             prompt_length = fields["prompt_length"]
-            tokens = fields["input_ids"][:, prompt_length:]
-            rows, positions = shared_contexts(tokens, fields["completion_mask"], fields["group_ids"], prompt_length)
+            tokens, context = fields["input_ids"][:, prompt_length:], fields["attention_mask"][:, prompt_length:]
+            rows, positions = shared_contexts(tokens, fields["completion_mask"], fields["group_ids"], prompt_length, context)
             self._contexts.append((fields["input_ids"][rows], fields["attention_mask"][rows], positions))
             if completes_step:
                 self._measure_kl(trainer, pl_module)
@@ -311,11 +330,14 @@ class LearningTaxMonitor(Callback):
             batch.get("completion_ids") if isinstance(batch, Mapping) else getattr(batch, "completion_ids", None)
         ) is not None
         fields = read_contract("LearningTaxMonitor", {**CONTRACT, **(COMPLETION_IDS if has_ids else SEQUENCES)}, outputs, batch)
-        tokens = fields["completion_ids"] if has_ids else fields["input_ids"][:, fields["prompt_length"] :]
+        if has_ids:
+            tokens, context = fields["completion_ids"], None
+        else:
+            tokens, context = (fields[key][:, fields["prompt_length"] :] for key in ("input_ids", "attention_mask"))
         credits, mask = fields["credits"].detach(), fields["completion_mask"]
         finite = torch.isfinite(credits)
         self._nonfinite.update((~finite & mask.bool()).sum())
-        uncancelled, total = uncancelled_credit(credits.masked_fill(~finite, 0.0), tokens, mask, fields["group_ids"])
+        uncancelled, total = uncancelled_credit(credits.masked_fill(~finite, 0.0), tokens, mask, fields["group_ids"], context)
         self._step_has_group = self._step_has_group or bool((torch.unique(fields["group_ids"], return_counts=True)[1] > 1).any())
         self._uncancelled.update(uncancelled)
         self._total.update(total)

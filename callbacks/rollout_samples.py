@@ -4,20 +4,37 @@ import re
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
 KEYS = ("input_ids", "prompt_length", "completion_mask", "rewards", "advantages")
 
 # characters that Markdown (or a table's cell borders) would interpret
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]|])")
+# around the environment's spans of a multi-turn episode: no Markdown meaning, and rarely in a model's text
+ENVIRONMENT_SPAN = "⟦env: {}⟧"
 
 
 def markdown_cell(text: str) -> str:
     """``text`` as it should appear, literally, in one cell of a Markdown table."""
     return _MARKDOWN_SPECIAL.sub(r"\\\1", text).replace("\n", "<br>")
+
+
+def episode_text(tokenizer: Any, ids: Tensor, policy: Tensor, context: Tensor) -> str:
+    """The tokens ``ids`` where ``context`` is 1, decoded span by span: the policy's (``policy`` 1) as they are, the
+    environment's (``policy`` 0) as :data:`ENVIRONMENT_SPAN`, but for those that decode to nothing (padding that a
+    single-turn ``attention_mask`` covers)."""
+    sources, lengths = torch.unique_consecutive(policy[context.bool()].bool(), return_counts=True)
+    pieces = []
+    for span, from_policy in zip(ids[context.bool()].split(lengths.tolist()), sources.tolist()):
+        text = tokenizer.decode(span, skip_special_tokens=True)
+        if from_policy or text:
+            pieces.append(text if from_policy else ENVIRONMENT_SPAN.format(text))
+    return "".join(pieces)
 
 
 class RolloutSamplesLogger(Callback):
@@ -27,16 +44,20 @@ class RolloutSamplesLogger(Callback):
     micro-batch are decoded and written under the tag ``tag`` at the step of that step's scalars
     (``trainer.global_step`` when the micro-batch starts, once per optimizer step, whatever the
     epoch length and ``accumulate_grad_batches``), so the samples sit next to the reward curve. The table has one row per rollout: prompt,
-    completion, reward and advantage. Writes happen on rank 0 only, through the trainer's
-    :class:`~lightning.pytorch.loggers.TensorBoardLogger`; without one, the callback warns once and
-    does nothing.
+    completion, reward and advantage. The completion of a multi-turn episode is the whole episode:
+    the policy's turns as they are, each of the environment's observations in its place, marked
+    ``⟦env: ...⟧`` (plain text to Markdown), e.g. ``guess 50⟦env: higher⟧guess 75``. Writes happen
+    on rank 0 only, through the trainer's :class:`~lightning.pytorch.loggers.TensorBoardLogger`;
+    without one, the callback warns once and does nothing.
 
     Contract: each key of ``input_ids`` (``[B, P + C]``, prompts left-padded to ``prompt_length``
-    then completions), ``prompt_length`` (``P``), ``completion_mask`` (``[B, C]``, 1 on completion
-    tokens), ``rewards`` and ``advantages`` (``[B]``) is read from the dict that ``training_step``
-    returns, else from the batch (a dict or an object with those attributes). The LightningModule
-    has a Hugging Face ``tokenizer``; prompts and completions are decoded with special tokens
-    (padding, EOS) removed.
+    then completions), ``prompt_length`` (``P``), ``completion_mask`` (``[B, C]``, 1 on the policy's
+    completion tokens), ``rewards`` and ``advantages`` (``[B]``) is read from the dict that
+    ``training_step`` returns, else from the batch (a dict or an object with those attributes); so
+    is ``attention_mask`` (``[B, P + C]``), when there is one: after ``P`` it is 1 on the
+    environment's tokens of an episode too (without it the completion is the ``completion_mask``
+    tokens alone). The LightningModule has a Hugging Face ``tokenizer``; prompts, turns and
+    observations are decoded with special tokens (padding, EOS) removed.
 
     Args:
         every_n_steps: how often to write samples, in optimizer steps (step 0 included).
@@ -89,22 +110,25 @@ class RolloutSamplesLogger(Callback):
         """The Markdown table of the first ``num_samples`` rollouts of a micro-batch."""
         values = {key: _lookup(key, outputs, batch) for key in KEYS}
         prompt_length = int(values["prompt_length"])
+        attention = _lookup("attention_mask", outputs, batch, required=False)
+        context = values["completion_mask"] if attention is None else attention[:, prompt_length:]
         lines = ["| prompt | completion | reward | advantage |", "|---|---|---|---|"]
         for row in range(min(self.num_samples, len(values["rewards"]))):
             ids = values["input_ids"][row]
-            completion_ids = ids[prompt_length:][values["completion_mask"][row].bool()]
             prompt = tokenizer.decode(ids[:prompt_length], skip_special_tokens=True)
-            completion = tokenizer.decode(completion_ids, skip_special_tokens=True)
+            completion = episode_text(tokenizer, ids[prompt_length:], values["completion_mask"][row], context[row])
             reward, advantage = float(values["rewards"][row]), float(values["advantages"][row])
             lines.append(f"| {markdown_cell(prompt)} | {markdown_cell(completion)} | {reward:.4g} | {advantage:+.4g} |")
         return "\n".join(lines)
 
 
-def _lookup(key: str, outputs: Any, batch: Any) -> Any:
+def _lookup(key: str, outputs: Any, batch: Any, required: bool = True) -> Any:
     if isinstance(outputs, dict) and key in outputs:
         return outputs[key]
     if isinstance(batch, dict) and key in batch:
         return batch[key]
     if hasattr(batch, key):
         return getattr(batch, key)
+    if not required:
+        return None
     raise KeyError(f"RolloutSamplesLogger: neither the training_step output nor the batch has {key!r} (needs {', '.join(KEYS)})")

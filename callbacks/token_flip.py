@@ -20,10 +20,10 @@ BINNED_SPLITS = ("shared", "specific", "both_signs", "one_sign")
 # What the callback reads, from the training step's outputs first, then from the batch (a Mapping,
 # or an object with these attributes). B rows, P prompt positions (left-padded), C completion positions.
 CONTRACT = {
-    "completion_mask": "[B, C]",  # 1 on completion tokens
+    "completion_mask": "[B, C]",  # 1 on the policy's completion tokens (not on an environment's, in multi-turn episodes)
     "prompt_length": "int",  # P
     "input_ids": "[B, P + C]",  # prompts, then completions
-    "attention_mask": "[B, P + C]",  # 0 on padding
+    "attention_mask": "[B, P + C]",  # 0 on padding (1 on an episode's environment tokens: context for shared prefixes)
     "advantages": "[B]",
     "group_ids": "[B]",  # the group (prompt) of each row
 }
@@ -78,22 +78,29 @@ def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any
     return values
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
     A group's shared positions are its longest common prefix, the single path of its prefix trie
-    before the first branch. Groups with one member in the batch have no shared positions.
+    before the first branch, over each row's context: ``context_mask`` ``[B, C]`` (``mask`` when
+    None), e.g. ``attention_mask[:, P:]`` of multi-turn episodes, whose environment tokens are in
+    the context but not in ``mask``. Members agree at a position that all of them hold in their
+    context, with the same token, from the same source (all in ``mask`` or none), so a prefix runs
+    on through an observation they share; of that prefix only the ``mask`` positions are marked, the
+    tokens that get credit. Groups with one member in the batch have no shared positions.
     """
+    context = mask if context_mask is None else context_mask
     _, group = torch.unique(group_ids, return_inverse=True)
     groups = int(group.max()) + 1 if len(group) else 0
     rows = torch.arange(len(group), device=group.device)
-    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")
-    agrees = ((tokens == tokens[first_row[group]]) & mask.bool()).long()
+    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
+    credited = mask.bool()
+    agrees = ((tokens == tokens[first_row]) & (credited == credited[first_row]) & context.bool()).long()
     everyone = torch.ones(groups, tokens.shape[1], dtype=torch.long, device=tokens.device)
     everyone = everyone.scatter_reduce(0, group.unsqueeze(1).expand_as(agrees), agrees, reduce="amin")
     members = torch.bincount(group, minlength=groups)
     prefix = everyone.cumprod(1).bool() & (members > 1).unsqueeze(1)
-    return prefix[group]
+    return prefix[group] & credited
 
 
 def both_signs(tokens: Tensor, mask: Tensor, group_ids: Tensor, advantages: Tensor) -> Tensor:
@@ -192,9 +199,12 @@ class TokenFlipMonitor(Callback):
     batch (a Mapping, or an object with the attribute); ``B`` rows, ``P`` prompt positions,
     ``C`` completion positions:
 
-    * ``completion_mask`` ``[B, C]``: 1 on completion tokens;
+    * ``completion_mask`` ``[B, C]``: 1 on the policy's completion tokens, the ones measured (0 on
+      the environment's tokens of a multi-turn episode);
     * ``prompt_length``: ``P``, an int;
     * ``input_ids`` and ``attention_mask`` ``[B, P + C]``: prompts (left-padded), then completions;
+      ``attention_mask[:, P:]`` is the completions' context, so that a prefix shared by a whole group
+      runs on through the environment's tokens of its episodes while they are the same;
     * ``advantages`` ``[B]``; ``group_ids`` ``[B]``: the group (prompt) of each row.
 
     The LightningModule has ``token_logprobs(input_ids, attention_mask, prompt_length) -> [B, C]``
@@ -305,8 +315,8 @@ class TokenFlipMonitor(Callback):
         for fields, new, old in zip(micro_batches, after, before):
             mask = fields["completion_mask"].bool()
             delta = (new.float() - old.float()).masked_fill(~mask, 0.0)
-            completion_ids = fields["input_ids"][:, fields["prompt_length"] :]
-            shared = shared_positions(completion_ids, mask, fields["group_ids"])
+            completion_ids, context = (fields[key][:, fields["prompt_length"] :] for key in ("input_ids", "attention_mask"))
+            shared = shared_positions(completion_ids, mask, fields["group_ids"], context)
             advantages = fields["advantages"].unsqueeze(1)
             splits = {
                 "positive": mask & (advantages > 0), "negative": mask & (advantages < 0),

@@ -12,8 +12,8 @@ The tax of the policy-gradient part (the objective with ``kl_coef`` and ``entrop
 reported apart from the total: a KL or entropy term is a regulariser, not meant to cancel.
 
 At a shared position every member has the same context and token, so the same log-probability
-and ratio, under the trainer and under the sampler alike; the scenarios respect that, but for the
-last. One scenario has rollouts from a sampler whose log-probs differ from the trainer's (as vLLM's
+and ratio, under the trainer and under the sampler alike; the scenarios respect that, but for
+``stale, two versions``. One scenario has rollouts from a sampler whose log-probs differ from the trainer's (as vLLM's
 do), where an objective's mismatch correction acts (``--correction``). Ratios on members' own tokens
 vary. In the off-policy scenarios the shared positions' common ratio lies first inside a 0.2 range,
 then outside it: there a PPO-style clip keeps the gradient of one sign of advantage and drops the
@@ -29,6 +29,14 @@ the same rollouts, but alternate members come from a second version: their sampl
 shared position differ, and even a token-level correction stops cancelling. That is the batching's
 doing, not the objective's, so that scenario is reported but not judged (:data:`UNJUDGED`): groups
 must be atomic in time, all of a prompt's samples from one weights version.
+
+The two multi-turn scenarios hold episodes: the policy's turns and the environment's observations in
+one row, the observations in the context (``attention_mask``) but out of ``completion_mask``, so out
+of every credit. In ``multi-turn, shared first turn`` every member of a group has the same first
+turn and the same observation, then a second turn of its own, of unequal lengths: the shared prefix
+runs on through the observation, and the first turn's credits must cancel. ``multi-turn, unequal
+lengths`` has off-policy episodes of unequal lengths, each observation in its member's own place. A
+per-sequence normaliser counts each member's policy tokens, unequal in both, and stops cancelling.
 """
 
 import argparse
@@ -55,25 +63,30 @@ OLD_NAMES = {
 CREDIT_RTOL = 1e-4
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
-    A group's shared positions are its longest common prefix. Groups with one member have none.
+    A group's shared positions are its longest common prefix over the context, ``context_mask``
+    (``mask`` when None; a multi-turn episode's environment tokens are context, not ``mask``): the
+    members agree where all of them hold a context token, the same, from the same source. Only the
+    prefix's ``mask`` positions are marked. Groups with one member have none.
     """
+    context = mask if context_mask is None else context_mask
     shared = torch.zeros_like(tokens, dtype=torch.bool)
     for group in group_ids.unique():
         rows = group_ids == group
         if rows.sum() < 2:
             continue
-        members, present = tokens[rows], mask[rows].bool()
-        agrees = (members == members[0]).all(0) & present.all(0)
-        shared[rows] = agrees.long().cumprod(0).bool()
+        members, credited = tokens[rows], mask[rows].bool()
+        agrees = (members == members[0]).all(0) & (credited == credited[0]).all(0) & context[rows].bool().all(0)
+        shared[rows] = agrees.long().cumprod(0).bool() & credited
     return shared
 
 
-def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor) -> float:
-    """The share of absolute credit left uncancelled on positions a whole group shares."""
-    shared = shared_positions(tokens, mask, group_ids)
+def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> float:
+    """The share of absolute credit left uncancelled on positions a whole group shares (``context_mask`` as in
+    :func:`shared_positions`)."""
+    shared = shared_positions(tokens, mask, group_ids, context_mask)
     total = credits.abs().sum()
     if total == 0:
         return 0.0
@@ -86,22 +99,26 @@ def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tenso
 
 def _group(
     lengths: list[int], rewards: list[float], own_log_ratio: float, shared_log_ratio: float, seed: int, sampler_gap: float = 0.0,
-    versions: int = 1,
+    versions: int = 1, prefix: int = 4, observations: list[tuple[int, int]] | None = None,
 ):
-    """Two groups with a shared 4-token prefix, members of the given lengths, and log-probs to match.
+    """Two groups with a shared ``prefix``-token prefix, members of the given lengths, and log-probs to match.
 
-    Returns tokens, mask, rewards, the trainer's old and current log-probs, and the sampler's
-    (``old`` minus up to ``sampler_gap``; None when it is 0). With ``versions`` > 1 the members were
-    sampled by that many weights versions in turn (member ``k`` by version ``k % versions``), each
-    with its own gap, so at a shared position the sampler's log-prob differs between members.
+    Returns tokens, mask, rewards, the trainer's old and current log-probs, the sampler's (``old``
+    minus up to ``sampler_gap``; None when it is 0), and the context. With ``versions`` > 1 the
+    members were sampled by that many weights versions in turn (member ``k`` by version
+    ``k % versions``), each with its own gap, so at a shared position the sampler's log-prob differs
+    between members. With ``observations``, member ``k`` is a multi-turn episode with the
+    environment's tokens at ``(start, length)`` = ``observations[k]``: in the context, out of the mask.
     """
     generator = torch.Generator().manual_seed(seed)
-    rows, width, prefix = 2 * len(lengths), max(lengths), 4
+    rows, width = 2 * len(lengths), max(lengths)
     tokens = torch.randint(10, 90, (rows, width), generator=generator)
-    tokens[: len(lengths), :prefix] = torch.tensor([3, 4, 5, 6])
-    tokens[len(lengths) :, :prefix] = torch.tensor([7, 8, 9, 6])
+    tokens[: len(lengths), :prefix], tokens[len(lengths) :, :prefix] = tokens[0, :prefix], tokens[len(lengths), :prefix]
     tokens[:, prefix] = torch.arange(rows) + 10  # members diverge after the prefix
-    mask = (torch.arange(width) < torch.tensor(lengths * 2).unsqueeze(1)).long()
+    context = (torch.arange(width) < torch.tensor(lengths * 2).unsqueeze(1)).long()
+    mask = context.clone()
+    for member, (start, length) in enumerate(observations or []):
+        mask[member :: len(lengths), start : start + length] = 0
     old = -torch.rand(rows, width, generator=generator) * 2
     old[: len(lengths), :prefix], old[len(lengths) :, :prefix] = old[0, :prefix], old[len(lengths), :prefix]
     log_ratio = (torch.rand(rows, width, generator=generator) * 2 - 1) * own_log_ratio
@@ -115,7 +132,7 @@ def _group(
             gap = (torch.rand(rows, width, generator=generator) * 2 - 1) * sampler_gap
             gap[: len(lengths), :prefix], gap[len(lengths) :, :prefix] = gap[0, :prefix], gap[len(lengths), :prefix]
             sampler[version == v] -= gap[version == v]
-    return tokens, mask, reward, old, old + log_ratio, sampler
+    return tokens, mask, reward, old, old + log_ratio, sampler, context
 
 
 SCENARIOS: dict[str, dict] = {
@@ -130,13 +147,21 @@ SCENARIOS: dict[str, dict] = {
     # versions, members 1 and 3 (reward 0) come from the second: neither version's advantages sum to zero on their own
     "stale, one version": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.15, shared_log_ratio=0.1, sampler_gap=2.0),
     "stale, two versions": dict(lengths=[9, 9, 9, 9], own_log_ratio=0.15, shared_log_ratio=0.1, sampler_gap=2.0, versions=2),
+    # episodes: a first turn of 3 tokens and an observation of 3 that the whole group shares, then second turns of 2 to 8
+    "multi-turn, shared first turn": dict(
+        lengths=[8, 14, 10, 12], own_log_ratio=0.0, shared_log_ratio=0.0, prefix=6, observations=[(3, 3)] * 4
+    ),
+    # episodes of 8 to 15 policy tokens, each observation in its member's own place, off-policy on every token
+    "multi-turn, unequal lengths": dict(
+        lengths=[10, 18, 12, 20], own_log_ratio=0.15, shared_log_ratio=0.1, observations=[(6, 2), (8, 4), (5, 3), (9, 5)]
+    ),
 }
 UNJUDGED = {"stale, two versions": "stale, one version"}
 """Scenarios reported but left out of the verdict, each with the judged scenario it differs from only in how the rollouts
 were batched: what breaks there is the batching's doing, not the objective's."""
 
 
-def scenario_rollouts(name: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+def scenario_rollouts(name: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """``_group``'s rollouts for scenario ``name``, seeded by its place in :data:`SCENARIOS` (an unjudged one by its counterpart's)."""
     seed = list(SCENARIOS).index(UNJUDGED.get(name, name))
     return _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=seed, **SCENARIOS[name])
@@ -182,28 +207,36 @@ def policy_gradient_part(objective: Objective) -> Objective:
     return part
 
 
+def scenario_batch(objective: Objective, name: str) -> tuple[RolloutBatch, Tensor]:
+    """Scenario ``name``'s rollouts as a batch, with ``objective``'s advantages, behind one prompt token; and the
+    current log-probs."""
+    tokens, mask, rewards, old, current, sampler, context = scenario_rollouts(name)
+    prompt = torch.ones(len(tokens), 1, dtype=torch.long)
+    batch = RolloutBatch(
+        input_ids=torch.cat([prompt, tokens], 1), attention_mask=torch.cat([prompt, context], 1),
+        completion_mask=mask, prompt_length=1, rewards=rewards.view(-1),
+        advantages=objective.advantages(rewards).view(-1), group_ids=torch.arange(2).repeat_interleave(rewards.shape[1]),
+        old_logprobs=old, ref_logprobs=old.clone(), sampler_logprobs=sampler, step_sequences=float(len(tokens)),
+        step_tokens=float(mask.sum()),
+    )
+    return batch, current
+
+
 def audit(objective: Objective) -> dict[str, ScenarioAudit]:
     """The learning tax of ``objective`` in each scenario, and how well its reported credits match autograd's."""
     results = {}
     policy_part = policy_gradient_part(objective)
     for name in SCENARIOS:
-        tokens, mask, rewards, old, current, sampler = scenario_rollouts(name)
-        group_ids = torch.arange(2).repeat_interleave(rewards.shape[1])
-        batch = RolloutBatch(
-            input_ids=torch.cat([torch.ones(len(tokens), 1, dtype=torch.long), tokens], 1),
-            attention_mask=torch.cat([torch.ones(len(tokens), 1, dtype=torch.long), mask], 1),
-            completion_mask=mask, prompt_length=1, rewards=rewards.view(-1),
-            advantages=objective.advantages(rewards).view(-1), group_ids=group_ids, old_logprobs=old,
-            ref_logprobs=old.clone(), sampler_logprobs=sampler, step_sequences=float(len(tokens)), step_tokens=float(mask.sum()),
-        )
+        batch, current = scenario_batch(objective, name)
+        rollouts = (batch.input_ids[:, 1:], batch.completion_mask, batch.group_ids, batch.attention_mask[:, 1:])
         reported, autograd = credits(objective, current, batch)
         gap = (reported - autograd).abs()
         worst = int(gap.argmax())
         row, position = divmod(worst, gap.shape[1])
         scale = float(autograd.abs().max())
         results[name] = ScenarioAudit(
-            tax=learning_tax(autograd, tokens, mask, group_ids),
-            policy_tax=learning_tax(credits(policy_part, current, batch)[1], tokens, mask, group_ids),
+            tax=learning_tax(autograd, *rollouts),
+            policy_tax=learning_tax(credits(policy_part, current, batch)[1], *rollouts),
             credit_mismatch=float(gap.max()) / scale if scale > 0 else float(gap.max()),
             mismatch_at=(row, position), reported=float(reported[row, position]), autograd=float(autograd[row, position]),
             judged=name not in UNJUDGED,

@@ -154,3 +154,45 @@ def test_with_accumulation_and_an_odd_epoch_it_logs_once_per_optimizer_step_at_t
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
     events.Reload()
     assert sorted(texts_by_step(events)) == list(range(7))
+
+
+def episode_batch(attention_on_padding: bool = False) -> dict:
+    """Two rows after the prompt ``guess:``: an episode ``50``, the environment's ``higher``, ``75``; and a single turn ``42``,
+    right-padded (its padding inside ``attention_mask`` when ``attention_on_padding``)."""
+    tokenizer = build_char_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompt, episode, single = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("guess:", "50higher75", "42"))
+    episode, single = episode + [eos], single + [eos] + [pad] * 8
+    completion_mask = torch.tensor([[1, 1] + [0] * 6 + [1, 1, 1], [1, 1, 1] + [0] * 8])
+    attention = torch.tensor([[1] * 11, [1] * 11 if attention_on_padding else [1, 1, 1] + [0] * 8])
+    return {"input_ids": torch.tensor([prompt + episode, prompt + single]), "prompt_length": len(prompt),
+            "attention_mask": torch.cat([torch.ones(2, len(prompt), dtype=torch.long), attention], 1),
+            "completion_mask": completion_mask, "rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([1.0, -1.0])}
+
+
+class EpisodeModule(ForeignModule):
+    """ForeignModule, its batch a multi-turn episode and a single turn."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch = episode_batch()
+
+
+def test_an_episode_shows_the_environments_observation_in_place_and_marked(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="episodes")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[RolloutSamplesLogger(every_n_steps=1)])
+    trainer.fit(EpisodeModule())
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    text = texts_by_step(events)[0]
+    assert [row[:2] for row in table_rows(text)] == [["guess:", "50⟦env: higher⟧75"], ["guess:", "42"]]
+    assert "<td>50⟦env: higher⟧75</td>" in markdown_to_safe_html(text)
+
+
+def test_a_completion_without_an_attention_mask_or_with_one_over_its_padding_is_its_policy_tokens():
+    samples, tokenizer = RolloutSamplesLogger(), build_char_tokenizer()
+    batch = episode_batch(attention_on_padding=True)
+    without = {key: value for key, value in batch.items() if key != "attention_mask"}
+    assert table_rows(samples.table(tokenizer, {}, batch))[1][1] == "42"  # padding decodes to nothing: no empty ⟦env: ⟧
+    assert [row[1] for row in table_rows(samples.table(tokenizer, {}, without))] == ["5075", "42"]

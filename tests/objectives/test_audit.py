@@ -9,7 +9,7 @@ from lit_cancel.callbacks import learning_tax as tax_callback
 from lit_cancel.callbacks import token_flip
 
 from lit_cancel import GRPO, PRESETS, ConstantLength, DFPOMin, DrGRPO, NoClip, PolicyGradient, SequenceMean
-from lit_cancel.objectives.audit import SCENARIOS, audit, learning_tax, main, scenario_rollouts, shared_positions
+from lit_cancel.objectives.audit import SCENARIOS, audit, credits, learning_tax, main, scenario_batch, scenario_rollouts, shared_positions
 from lit_cancel.objectives.corrections import CORRECTIONS
 
 LIT_CANCEL = str(Path(sys.executable).parent / "lit-cancel")
@@ -73,6 +73,23 @@ def test_the_callbacks_copies_compute_the_cores_numbers():
         assert float(uncancelled / total) == pytest.approx(learning_tax(credits, tokens, mask, groups), rel=1e-6)
 
 
+def test_the_callbacks_copies_compute_the_cores_numbers_on_episodes():
+    """Episodes: the context runs to each row's length, the policy's tokens are the context less random holes."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        groups = torch.randint(0, 4, (12,), generator=generator)
+        tokens = torch.randint(0, 2, (12, 8), generator=generator)
+        context = (torch.arange(8) < torch.randint(1, 9, (12, 1), generator=generator)).long()
+        mask = context * (torch.rand(12, 8, generator=generator) < 0.7)
+        credits = torch.randn(12, 8, generator=generator) * mask
+        shared = shared_positions(tokens, mask, groups, context)
+        assert not (shared & ~mask.bool()).any()
+        assert torch.equal(tax_callback.shared_positions(tokens, mask, groups, context), shared)
+        assert torch.equal(token_flip.shared_positions(tokens, mask, groups, context), shared)
+        uncancelled, total = tax_callback.uncancelled_credit(credits, tokens, mask, groups, context)
+        assert float(uncancelled / total) == pytest.approx(learning_tax(credits, tokens, mask, groups, context), rel=1e-6)
+
+
 def test_learning_tax_by_hand():
     tokens = torch.tensor([[5, 6, 7], [5, 6, 9]])
     mask = torch.ones(2, 3, dtype=torch.long)
@@ -105,9 +122,44 @@ def test_audit_names_the_scenarios_that_break():
     assert dr_grpo["shared tokens outside the clip range"].tax > 0.1
 
 
+def test_a_shared_first_turn_and_observation_cancel_under_dfpo_and_not_under_grpos_normaliser():
+    name = "multi-turn, shared first turn"
+    tokens, mask, _, _, _, _, context = scenario_rollouts(name)
+    # a first turn of 3 tokens, an observation of 3 (context, no credit), then second turns of 2, 8, 4 and 6 tokens
+    assert mask[:4, :6].tolist() == [[1, 1, 1, 0, 0, 0]] * 4 and context.sum(1).tolist() == [8, 14, 10, 12] * 2
+    shared = shared_positions(tokens, mask, torch.arange(2).repeat_interleave(4), context)
+    assert shared.long().tolist() == [[1, 1, 1] + [0] * 11] * 8  # the prefix runs through the observation, which gets none
+    assert shared_positions(tokens, context, torch.arange(2).repeat_interleave(4))[:, :6].all()
+    for preset in ("DFPOMin", "DFPOOrth"):
+        assert abs(audit(PRESETS[preset]())[name].policy_tax) < 1e-6, preset
+    # GRPO: c_it = A_i / (8 |y_i|) with A_i = +-a and |y_i| = 5, 11, 7, 9 policy tokens; per group, 3 shared positions
+    # each keep a |1/5 - 1/11 + 1/7 - 1/9| a / 8 of a total |credit| of 4 a / 8
+    assert audit(PRESETS["GRPO"]())[name].policy_tax == pytest.approx(3 / 4 * (1 / 5 - 1 / 11 + 1 / 7 - 1 / 9), rel=1e-5)
+
+
+def test_unequal_episodes_cancel_under_dfpo_and_not_under_grpos_normaliser():
+    name = "multi-turn, unequal lengths"
+    _, mask, _, _, _, _, context = scenario_rollouts(name)
+    assert mask.sum(1).tolist() == [8, 14, 9, 15] * 2 and (context.sum(1) > mask.sum(1)).all()
+    for preset in ("DFPOMin", "DFPOOrth"):
+        assert abs(audit(PRESETS[preset]())[name].policy_tax) < 1e-6, preset
+    assert audit(PRESETS["GRPO"]())[name].policy_tax > 0.05
+
+
+@pytest.mark.parametrize("name", ["multi-turn, shared first turn", "multi-turn, unequal lengths"])
+def test_no_preset_gives_the_environments_tokens_credit(name):
+    for preset, make in PRESETS.items():
+        objective = make()
+        batch, current = scenario_batch(objective, name)
+        environment = batch.attention_mask[:, 1:].bool() & ~batch.completion_mask.bool()
+        assert environment.sum() > 0
+        for credit in credits(objective, current, batch):
+            assert (credit[environment] == 0).all() and (credit[batch.completion_mask.bool()] != 0).any(), preset
+
+
 def stale_rollouts(name):
     """The scenario's shared-position mask and ``log pi_old - log pi_sampler``, as the audit builds them."""
-    tokens, mask, _, old, _, sampler = scenario_rollouts(name)
+    tokens, mask, _, old, _, sampler, _ = scenario_rollouts(name)
     return shared_positions(tokens, mask, torch.arange(2).repeat_interleave(4)), (old - sampler) * mask
 
 

@@ -57,7 +57,7 @@ def test_eps_is_validated(region):
 
 def scenario_batch(objective, name: str) -> tuple[torch.Tensor, RolloutBatch, torch.Tensor, torch.Tensor]:
     index = list(SCENARIOS).index(name)
-    tokens, mask, rewards, old, current, sampler = _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=index, **SCENARIOS[name])
+    tokens, mask, rewards, old, current, sampler, _ = _group(rewards=[1.0, 0.0, 1.0, 0.0], seed=index, **SCENARIOS[name])
     group_ids = torch.arange(2).repeat_interleave(rewards.shape[1])
     batch = RolloutBatch(
         input_ids=torch.cat([torch.ones(len(tokens), 1, dtype=torch.long), tokens], 1),
