@@ -32,12 +32,19 @@ SERIES = {
     "rollout/accuracy": "share of the step's rollouts that are correct",
     "rollout/reward_correct_corr": "correlation, over the step's rollouts, of the reward with correctness",
     "rollout/frac_zero_std_groups": "share of the step's groups whose rewards are all equal (no advantage, no gradient)",
-    "rollout/frac_truncated": "share of completions cut at max_new_tokens",
+    "rollout/frac_truncated": "share of completions cut at max_new_tokens (agents: episodes cut at max_turn_tokens or max_episode_tokens)",
     "rollout/reward_truncated": "mean reward of the completions cut at max_new_tokens",
     "rollout/reward_finished": "mean reward of the completions that ended by themselves",
     "rollout/completion_len": "mean completion length in tokens",
     "rollout/logprob_mismatch": "mean |trainer log-prob - sampler log-prob| per completion token",
     "rollout/staleness_max": "most optimizer rounds between a rollout's weights and the weights it trains",
+    "rollout/turns": "mean turns of the policy per episode (agent tasks)",
+    "rollout/tool_calls": "mean tool calls per episode (agent tasks)",
+    "rollout/tool_errors": "mean failed tool calls per episode: malformed, to no tool, raised or timed out (agent tasks)",
+    "rollout/env_token_share": "share of the environment's tokens among all tokens after the prompts (agent tasks)",
+    "rollout/frac_turn_limit": "share of episodes that ran out of turns (max_turns) (agent tasks)",
+    "rollout/frac_turn_cut": "share of turns cut at max_turn_tokens (agent tasks)",
+    "rollout/frac_episode_cut": "share of episodes cut at max_episode_tokens (agent tasks)",
     "health/entropy": "mean per-token entropy of the policy on its rollouts",
     "health/grad_norm": "gradient norm before clipping",
     "health/update_ratio": "root-mean-square parameter update over root-mean-square parameter, per optimizer step",
@@ -59,6 +66,9 @@ SETTINGS = {
     "max_new_tokens": "longest completion",
     "kl_coef": "weight of the KL term",
     "max_staleness": "the run's bound on staleness, in rounds",
+    "max_turns": "an agent task's turns per episode at most",
+    "max_turn_tokens": "an agent task's tokens per turn at most (max_new_tokens when the task leaves it unset)",
+    "max_episode_tokens": "an agent task's tokens after the prompt per episode at most, the policy's and the environment's",
 }
 # where each framework sets what a remedy changes: lit_cancel's config keys (as `lit-cancel fit` takes them), TRL's
 # GRPOConfig fields, verl's config keys
@@ -68,6 +78,10 @@ SETTING_KEYS = {
         "temperature": "model.init_args.temperature",
         "kl_coef": "model.init_args.objective.init_args.kl_coef",
         "group_size": "data.init_args.group_size",
+        # an agent task's limits (lit_cancel.agents.AgentTask); only lit_cancel's agent tasks log the series they explain
+        "max_turns": "data.init_args.task.init_args.max_turns",
+        "max_turn_tokens": "data.init_args.task.init_args.max_turn_tokens",
+        "max_episode_tokens": "data.init_args.task.init_args.max_episode_tokens",
     },
     "trl": {"max_new_tokens": "max_completion_length", "temperature": "temperature", "kl_coef": "beta", "group_size": "num_generations"},
     "verl": {

@@ -71,6 +71,9 @@ LIT_CANCEL_SETTINGS = {
     "model.init_args.max_new_tokens": "max_new_tokens",
     "model.init_args.objective.init_args.kl_coef": "kl_coef",
     "model.init_args.engine.init_args.max_staleness": "max_staleness",
+    "data.init_args.task.init_args.max_turns": "max_turns",  # an agent task's limits (lit_cancel.agents.AgentTask)
+    "data.init_args.task.init_args.max_turn_tokens": "max_turn_tokens",  # null (the module's max_new_tokens) is not read
+    "data.init_args.task.init_args.max_episode_tokens": "max_episode_tokens",
 }
 TRL_SETTINGS = {"temperature": "temperature", "max_completion_length": "max_new_tokens", "beta": "kl_coef"}
 TRL_ARGS_TAG = "args/text_summary"  # transformers' TensorBoardCallback writes the TrainingArguments as JSON text

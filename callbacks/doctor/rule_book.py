@@ -8,7 +8,7 @@ Each threshold is a class attribute; docs/doctor.md says where each came from (t
 import math
 import statistics
 
-from .diagnoses import Finding, Rule, RunHistory, head, mean, register, tail
+from .diagnoses import SETTING_KEYS, Finding, Rule, RunHistory, head, mean, register, tail
 
 
 def _steps(history: RunHistory, name: str, share: float = 0.25) -> str:
@@ -24,6 +24,17 @@ def _late(history: RunHistory, name: str, share: float = 0.25) -> float:
 def _one_figure(value: float) -> float:
     """``value`` rounded to one significant figure (7,712 -> 8,000)."""
     return round(value, -math.floor(math.log10(value)))
+
+
+def _agent_key(history: RunHistory, name: str) -> str:
+    """Where an agent task's limit ``name`` is set: the run's framework's key, lit_cancel's where it has none (only
+    lit_cancel's agent tasks log the series that lead to these limits)."""
+    return SETTING_KEYS.get(history.framework, {}).get(name, SETTING_KEYS["lit_cancel"][name])
+
+
+def _raise_to(key: str, limit: float | None) -> str:
+    """``raise KEY (now N) to about 2N``, or ``raise KEY about 2x`` where the run's value is unknown."""
+    return f"raise {key} (now {limit:g}) to about {2 * limit:g}" if limit else f"raise {key} about 2x"
 
 
 def _accuracy(history: RunHistory) -> tuple[str, float] | None:
@@ -210,20 +221,25 @@ class LearningRateTooHigh(Rule):
 @register
 class Truncation(Rule):
     """Many completions are cut at ``max_new_tokens``: they rarely earn a reward, and their credit goes to unfinished
-    text."""
+    text. In an agent run (one that logs ``rollout/frac_turn_cut``) an episode is cut at its task's token limits
+    instead: a turn at ``max_turn_tokens``, the whole episode at ``max_episode_tokens``."""
 
     name = "truncation"
     needs = ("rollout/frac_truncated",)
     rank = 18
     warn_share = 0.2
     severe_share = 0.5
+    other_limit = 0.1  # an agent run's remedy names the limit that cut fewer episodes too from this share of them
 
     def check(self, history: RunHistory) -> Finding | None:
         share = _late(history, "rollout/frac_truncated")
         if share < self.warn_share:
             return None
+        severity = "severe" if share >= self.severe_share else "warning"
         steps = tail(history.steps("rollout/frac_truncated"))
         evidence = f"rollout/frac_truncated averages {share:.2f} over steps {steps[0]}-{steps[-1]} (threshold {self.warn_share})"
+        if "rollout/frac_turn_cut" in history:
+            return self.episodes_cut(history, share, severity)
 
         def over_those_steps(name: str) -> list[float]:
             return [value for step, value in zip(history.steps(name), history.values(name)) if steps[0] <= step <= steps[-1]]
@@ -235,11 +251,139 @@ class Truncation(Rule):
         elif truncated:
             evidence += f"; truncated completions earn {mean(truncated):.2f}, and no completion finished in those steps"
         key = history.setting_key("max_new_tokens")
-        limit = history.settings.get("max_new_tokens")
-        remedy = f"raise {key} (now {limit:g}) to about {2 * limit:g}" if limit else f"raise {key} about 2x"
-        remedy += ", or penalise length in the reward."
-        return self.finding("severe" if share >= self.severe_share else "warning", f"Completions are cut off at {key.split('.')[-1]}.",
-                            evidence + ".", remedy, strength=share, history=history)
+        remedy = _raise_to(key, history.settings.get("max_new_tokens")) + ", or penalise length in the reward."
+        return self.finding(severity, f"Completions are cut off at {key.split('.')[-1]}.", evidence + ".", remedy, strength=share,
+                            history=history)
+
+    def episodes_cut(self, history: RunHistory, share: float, severity: str) -> Finding:
+        """An agent run's finding: which of the task's token limits cut the episodes. The reward of cut and finished
+        completions is not quoted: it tells an episode none of whose turns stopped from the others, not a cut episode."""
+        turn_cut = _late(history, "rollout/frac_turn_cut")
+        evidence = (f"rollout/frac_truncated averages {share:.2f} of episodes over {_steps(history, 'rollout/frac_truncated')} "
+                    f"(threshold {self.warn_share}); rollout/frac_turn_cut averages {turn_cut:.2f} of turns")
+        if "rollout/frac_episode_cut" in history:
+            episode_cut = _late(history, "rollout/frac_episode_cut")
+            evidence += f", rollout/frac_episode_cut {episode_cut:.2f} of episodes"
+            # an episode ends at its cut turn: the episodes cut at max_turn_tokens are the truncated ones less those
+            cut = {"max_turn_tokens": max(share - episode_cut, 0.0), "max_episode_tokens": episode_cut}
+        else:  # which limit cut is not known: both are named
+            cut = {"max_turn_tokens": share, "max_episode_tokens": share}
+        first, second = sorted(cut, key=cut.get, reverse=True)
+        limits = [first] + ([second] if cut[second] >= self.other_limit else [])
+        raises = []
+        for limit in limits:
+            raises.append(_raise_to(_agent_key(history, limit), history.settings.get(limit)))
+            if limit == "max_turn_tokens" and limit not in history.settings:  # unset, a turn may take max_new_tokens
+                raises[-1] += f" (or {history.setting_key('max_new_tokens')}, where the task leaves it unset)"
+        remedy = " and ".join(raises)
+        cause = ("Turns are cut off at the task's max_turn_tokens." if limits == ["max_turn_tokens"] else
+                 "Episodes are cut off at the task's max_episode_tokens." if limits == ["max_episode_tokens"] else
+                 f"Episodes are cut off at the task's token limits, {limits[0]} most, then {limits[1]}."
+                 if cut[first] > cut[second] else "Episodes are cut off at the task's token limits, max_turn_tokens or max_episode_tokens.")
+        return self.finding(severity, cause, evidence + ".", remedy + ", or penalise length in the reward.", strength=share,
+                            history=history)
+
+
+@register
+class ToolFailures(Rule):
+    """The policy's tool calls fail on a large share of calls (``rollout/tool_errors`` over ``rollout/tool_calls``):
+    calls the environment cannot read, calls to no tool, tools that raise or time out. Each failure is an observation
+    the policy reads and a turn spent; an episode that reaches no answer earns no reward."""
+
+    name = "tool_failures"
+    needs = ("rollout/tool_calls", "rollout/tool_errors")
+    rank = 16  # failing calls spend turns (turn_limit) and fill the context with errors (environment_crowds_out)
+    min_calls = 0.1  # tool calls per episode, late mean, below which the run hardly uses tools: no share is read
+    warn_share = 0.3
+    severe_share = 0.7
+
+    def check(self, history: RunHistory) -> Finding | None:
+        calls = _late(history, "rollout/tool_calls")
+        if calls < self.min_calls:
+            return None
+        errors = _late(history, "rollout/tool_errors")
+        share = errors / calls
+        if share < self.warn_share:
+            return None
+        return self.finding(
+            "severe" if share >= self.severe_share else "warning",
+            "The policy's tool calls fail: malformed calls, calls to unknown tools, or tools that raise or time out.",
+            f"{share:.0%} of tool calls fail (threshold {self.warn_share:.0%}): rollout/tool_errors averages {errors:.2f} per "
+            f"episode against {calls:.2f} rollout/tool_calls over {_steps(history, 'rollout/tool_calls')}.",
+            "read a few episodes in TensorBoard's Text tab (RolloutSamplesLogger marks the environment's replies ⟦env: …⟧) "
+            "for the errors the tools return, call the tools by hand with the arguments the policy gave, and warm-start "
+            "the call format with SFT (lit_cancel.SFTModule on episodes that call the tools right).",
+            strength=share, history=history,
+        )
+
+
+@register
+class EnvironmentCrowdsOut(Rule):
+    """The environment's tokens crowd out the policy's (``rollout/env_token_share``): the policy learns only from its
+    own tokens, so long observations cost context and compute and train nothing, and they fill ``max_episode_tokens``."""
+
+    name = "environment_crowds_out"
+    needs = ("rollout/env_token_share",)
+    rank = 17  # long observations fill the episode: the episodes cut at max_episode_tokens (truncation) follow
+    # a healthy number-guessing run shares 0.56-0.58 (a reply " higher\n", 6 tokens, per guess of 3); the embedded agent 0.22
+    max_share = 0.8
+
+    def check(self, history: RunHistory) -> Finding | None:
+        share = _late(history, "rollout/env_token_share")
+        if share < self.max_share:
+            return None
+        evidence = (f"rollout/env_token_share averages {share:.2f} over {_steps(history, 'rollout/env_token_share')} (threshold "
+                    f"{self.max_share}): the policy wrote {1 - share:.0%} of the episodes' tokens after the prompts")
+        if "rollout/frac_episode_cut" in history:
+            evidence += f"; rollout/frac_episode_cut averages {_late(history, 'rollout/frac_episode_cut'):.2f}"
+        key = _agent_key(history, "max_episode_tokens")
+        limit = history.settings.get("max_episode_tokens")
+        return self.finding(
+            "warning", "The environment's tokens crowd out the policy's: most of each episode is observations.",
+            evidence + ".",
+            "cap tool output (ToolEnvironment's max_output_chars), shorten the environment's observations, or raise "
+            f"{key}" + (f" (now {limit:g})" if limit else "") + ": the policy learns only from its own tokens, so long "
+            "observations cost context and compute for nothing trained.",
+            strength=share, history=history,
+        )
+
+
+@register
+class TurnLimit(Rule):
+    """Most episodes run out of turns (``rollout/frac_turn_limit``): they end at the task's ``max_turns`` before the
+    environment says they are done, and earn no reward for the task left unfinished. Not where the run's accuracy is
+    high: there ending at the limit costs nothing (an environment that never ends an episode itself)."""
+
+    name = "turn_limit"
+    needs = ("rollout/frac_turn_limit",)
+    rank = 19  # after tool failures (16), whose retries spend turns; before no_reward_difference (20), which episodes that all fail make
+    warn_share = 0.7
+    severe_share = 0.95
+    solved = 0.8  # late rollout/accuracy from which episodes at the limit are taken to be its normal end
+
+    def check(self, history: RunHistory) -> Finding | None:
+        share = _late(history, "rollout/frac_turn_limit")
+        if share < self.warn_share:
+            return None
+        accuracy = _late(history, "rollout/accuracy") if "rollout/accuracy" in history else None
+        if accuracy is not None and accuracy >= self.solved:
+            return None
+        evidence = (f"rollout/frac_turn_limit averages {share:.2f} over {_steps(history, 'rollout/frac_turn_limit')} "
+                    f"(threshold {self.warn_share})")
+        limit = history.settings.get("max_turns")
+        if "rollout/turns" in history:
+            evidence += f"; rollout/turns averages {_late(history, 'rollout/turns'):.2f} per episode" + (
+                f" of at most {limit:g}" if limit else "")
+        if accuracy is not None:
+            evidence += f"; rollout/accuracy is {accuracy:.2f}"
+        return self.finding(
+            "severe" if share >= self.severe_share else "warning",
+            "Most episodes run out of turns: they end at the task's max_turns before the environment says they are done.",
+            evidence + ".",
+            _raise_to(_agent_key(history, "max_turns"), limit) + ", or reward progress within the episode (partial credit "
+            "for each step towards the goal), so that episodes cut short still differ in reward.",
+            strength=share, history=history,
+        )
 
 
 @register

@@ -4,7 +4,10 @@ and remedy, and stays silent on a healthy series; findings are ordered by how mu
 import math
 
 import pytest
+import yaml
 from lit_cancel.callbacks.doctor.diagnoses import RULES, Finding, Rule, RunHistory, Series, diagnose, register, rules_named
+from lit_cancel.callbacks.doctor.history import read_run
+from torch.utils.tensorboard import SummaryWriter
 
 STEPS = 60
 
@@ -253,3 +256,185 @@ def test_a_gradient_spike_is_measured_against_the_early_steps_that_had_a_gradien
                "health/grad_norm": series(lambda s: (float(s % 2 == 0) if s <= 15 else 40.0 if s > 25 else 1.0))}
     finding = found(healthy(**spiking))[0]
     assert finding.rule == "learning_rate_too_high" and "peaked at 40x the median of its nonzero values" in finding.evidence
+
+
+# ---- agent runs: episodes of several turns (lit_cancel.agents) ----
+
+
+def healthy_agent(**overrides) -> dict:
+    """A healthy run of a number-guessing game (find a number in a range from "higher"/"lower" replies, 4 guesses):
+    success rising from 0.4 to 0.8, so that 0.58 to 0.18 of the episodes run out of turns (a failed episode does); the
+    replies (" higher\\n", 6 tokens to a guess's 3) are 0.57 of the tokens after the prompts, as such a run logged; no
+    tools. Its shares of episodes out of turns and of the environment's tokens are higher than the embedded
+    tool-addition agent's (:func:`healthy_tool_agent`), so the thresholds are tested against both."""
+    success = lambda s: 0.4 + 0.4 * s / STEPS  # noqa: E731
+    points = healthy(**{
+        "rollout/reward_mean": series(success),
+        "rollout/accuracy": series(success),
+        "rollout/turns": series(lambda s: 3.5 - 0.5 * s / STEPS),
+        "rollout/tool_calls": series(lambda s: 0.0),
+        "rollout/tool_errors": series(lambda s: 0.0),
+        "rollout/env_token_share": series(lambda s: 0.57),
+        "rollout/frac_turn_limit": series(lambda s: 0.98 - success(s)),
+        "rollout/frac_turn_cut": series(lambda s: 0.005),
+        "rollout/frac_episode_cut": series(lambda s: 0.0),
+        "rollout/staleness_max": series(lambda s: 0.0),  # an agent task refuses an engine that samples ahead
+    })
+    points.update(overrides)
+    return points
+
+
+def healthy_tool_agent() -> dict:
+    """The embedded agent's quickstart (configs/quickstart-agent.yaml, seed 0, means over 20 steps): tool calls rising
+    from 0.90 to 0.98 per episode with 0.03 of them failing (a call the tiny model miswrote), the replies 0.22 of the
+    tokens, no episode out of turns, 0.015-0.026 of the turns cut."""
+    success = lambda s: 0.69 + 0.11 * s / STEPS  # noqa: E731
+    return healthy(**{
+        "rollout/reward_mean": series(success),
+        "rollout/accuracy": series(success),
+        "rollout/turns": series(lambda s: 1.9 + 0.08 * s / STEPS),
+        "rollout/tool_calls": series(lambda s: 0.9 + 0.08 * s / STEPS),
+        "rollout/tool_errors": series(lambda s: 0.03),
+        "rollout/env_token_share": series(lambda s: 0.22),
+        "rollout/frac_turn_limit": series(lambda s: 0.0),
+        "rollout/frac_turn_cut": series(lambda s: 0.02),
+        "rollout/frac_episode_cut": series(lambda s: 0.0),
+        "rollout/frac_truncated": series(lambda s: 0.02),
+        "rollout/staleness_max": series(lambda s: 0.0),
+    })
+
+
+def test_the_embedded_agent_s_quickstart_has_no_finding():
+    assert found(healthy_tool_agent(), **{**AGENT_SETTINGS, "max_new_tokens": 23, "max_turns": 3}) == []
+
+
+AGENT_SETTINGS = {"temperature": 1.0, "max_new_tokens": 4, "kl_coef": 0.0, "max_staleness": 0, "max_turns": 4}
+
+
+def test_a_healthy_agent_run_has_no_finding():
+    assert found(healthy_agent(), **AGENT_SETTINGS) == []
+    # the quickstart-agent run's worst stretch (seed 0, steps 9-11 of 40): 0.67 of the episodes out of turns, 0.33 solved
+    worst = {"rollout/frac_turn_limit": series(lambda s: 0.67), "rollout/accuracy": series(lambda s: 0.33),
+             "rollout/reward_mean": series(lambda s: 0.33)}
+    assert found(healthy_agent(**worst), **AGENT_SETTINGS) == []
+
+
+@pytest.mark.parametrize(("share", "severity"), [(0.8, "warning"), (0.97, "severe")])
+def test_episodes_that_run_out_of_turns_name_max_turns(share, severity):
+    points = healthy_agent(**{
+        "rollout/frac_turn_limit": series(lambda s: share),
+        "rollout/turns": series(lambda s: 4.0),
+        "rollout/accuracy": series(lambda s: 0.98 - share),
+        "rollout/reward_mean": series(lambda s: 0.98 - share),
+    })
+    (finding,) = found(points, **AGENT_SETTINGS)
+    assert finding.rule == "turn_limit" and finding.severity == severity
+    assert f"rollout/frac_turn_limit averages {share:.2f} over steps 46-60 (threshold 0.7)" in finding.evidence
+    assert "rollout/turns averages 4.00 per episode of at most 4" in finding.evidence
+    assert finding.remedy.startswith("raise data.init_args.task.init_args.max_turns (now 4) to about 8, or reward progress")
+    # where the run's config is not known, the key without a value
+    (unknown,) = found(points)
+    assert unknown.remedy.startswith("raise data.init_args.task.init_args.max_turns about 2x")
+
+
+def test_episodes_that_end_at_the_turn_limit_and_succeed_are_no_finding():
+    # an environment that never ends an episode itself: every episode runs to max_turns, most are correct
+    points = healthy_agent(**{"rollout/frac_turn_limit": series(lambda s: 1.0), "rollout/accuracy": series(lambda s: 0.9)})
+    assert found(points, **AGENT_SETTINGS) == []
+
+
+@pytest.mark.parametrize(("errors", "severity", "share"), [(0.8, "warning", "40%"), (1.6, "severe", "80%")])
+def test_failing_tool_calls_are_named_with_their_share(errors, severity, share):
+    points = healthy_agent(**{"rollout/tool_calls": series(lambda s: 2.0), "rollout/tool_errors": series(lambda s: errors)})
+    (finding,) = found(points, **AGENT_SETTINGS)
+    assert finding.rule == "tool_failures" and finding.severity == severity
+    assert finding.evidence.startswith(f"{share} of tool calls fail (threshold 30%): rollout/tool_errors averages {errors:.2f} per "
+                                       "episode against 2.00 rollout/tool_calls over steps 46-60")
+    assert "malformed calls" in finding.cause and "⟦env: …⟧" in finding.remedy and "SFT" in finding.remedy
+
+
+def test_tool_errors_of_a_run_that_hardly_calls_tools_are_no_finding():
+    # one call in twenty episodes, and it fails: too few calls for a share
+    points = healthy_agent(**{"rollout/tool_calls": series(lambda s: 0.05), "rollout/tool_errors": series(lambda s: 0.05)})
+    assert found(points, **AGENT_SETTINGS) == []
+
+
+def test_an_environment_that_crowds_out_the_policy_is_named_with_the_episode_limit():
+    points = healthy_agent(**{"rollout/env_token_share": series(lambda s: 0.9)})
+    (finding,) = found(points, **AGENT_SETTINGS, max_episode_tokens=512)
+    assert finding.rule == "environment_crowds_out" and finding.severity == "warning"
+    assert "averages 0.90 over steps 46-60 (threshold 0.8): the policy wrote 10% of the episodes' tokens" in finding.evidence
+    assert "max_output_chars" in finding.remedy and "data.init_args.task.init_args.max_episode_tokens (now 512)" in finding.remedy
+    assert "learns only from its own tokens" in finding.remedy
+    # long replies of a game (0.7 of the tokens) are no finding
+    assert found(healthy_agent(**{"rollout/env_token_share": series(lambda s: 0.7)}), **AGENT_SETTINGS) == []
+
+
+@pytest.mark.parametrize(
+    ("episode_cut", "cause", "remedy"),
+    [
+        (0.0, "Turns are cut off at the task's max_turn_tokens.", "raise data.init_args.task.init_args.max_turn_tokens (now 4) to about 8"),
+        (0.6, "Episodes are cut off at the task's max_episode_tokens.",
+         "raise data.init_args.task.init_args.max_episode_tokens (now 64) to about 128"),
+        (0.25, "Episodes are cut off at the task's token limits, max_turn_tokens most, then max_episode_tokens.",
+         "raise data.init_args.task.init_args.max_turn_tokens (now 4) to about 8 and raise "
+         "data.init_args.task.init_args.max_episode_tokens (now 64) to about 128"),
+    ],
+)
+def test_truncation_in_an_agent_run_names_the_task_s_token_limits(episode_cut, cause, remedy):
+    points = healthy_agent(**{
+        "rollout/frac_truncated": series(lambda s: 0.6),
+        "rollout/frac_turn_cut": series(lambda s: 0.2),
+        "rollout/frac_episode_cut": series(lambda s: episode_cut),
+    })
+    (finding,) = found(points, **AGENT_SETTINGS, max_turn_tokens=4, max_episode_tokens=64)
+    assert finding.rule == "truncation" and finding.severity == "severe"
+    assert finding.cause == cause and finding.remedy == remedy + ", or penalise length in the reward."
+    assert "max_new_tokens" not in finding.cause + finding.remedy
+    assert finding.evidence == ("rollout/frac_truncated averages 0.60 of episodes over steps 46-60 (threshold 0.2); rollout/frac_turn_cut "
+                                f"averages 0.20 of turns, rollout/frac_episode_cut {episode_cut:.2f} of episodes.")
+
+
+def test_truncation_names_max_turn_tokens_for_an_agent_run_and_max_new_tokens_for_a_single_turn_run():
+    agent = healthy_agent(**{"rollout/frac_truncated": series(lambda s: 0.3), "rollout/frac_turn_cut": series(lambda s: 0.1)})
+    (finding,) = found(agent, **AGENT_SETTINGS)
+    assert finding.severity == "warning" and finding.cause == "Turns are cut off at the task's max_turn_tokens."
+    # a task that leaves max_turn_tokens unset cuts turns at the module's max_new_tokens: both are named
+    assert finding.remedy == ("raise data.init_args.task.init_args.max_turn_tokens about 2x (or model.init_args.max_new_tokens, "
+                              "where the task leaves it unset), or penalise length in the reward.")
+    # a run that logs no rollout/frac_episode_cut does not say which limit cut
+    del agent["rollout/frac_episode_cut"]
+    (unsplit,) = found(agent, **AGENT_SETTINGS)
+    assert unsplit.cause == "Episodes are cut off at the task's token limits, max_turn_tokens or max_episode_tokens."
+    assert "max_turn_tokens" in unsplit.remedy and "max_episode_tokens about 2x" in unsplit.remedy
+    (single,) = found(healthy(**{"rollout/frac_truncated": series(lambda s: 0.3)}), max_new_tokens=40)
+    assert single.cause == "Completions are cut off at max_new_tokens."
+    assert single.remedy == "raise model.init_args.max_new_tokens (now 40) to about 80, or penalise length in the reward."
+
+
+def test_agent_findings_are_ordered_tool_failures_before_the_turns_they_spend():
+    points = healthy_agent(**{
+        "rollout/tool_calls": series(lambda s: 2.0),
+        "rollout/tool_errors": series(lambda s: 1.0),  # warning, rank 16
+        "rollout/env_token_share": series(lambda s: 0.85),  # warning, rank 17
+        "rollout/frac_turn_limit": series(lambda s: 0.8),  # warning, rank 19
+        "rollout/accuracy": series(lambda s: 0.1),
+        "rollout/reward_mean": series(lambda s: 0.1),
+        "rollout/frac_zero_std_groups": series(lambda s: 0.7),  # warning, rank 20
+    })
+    assert rules_of(found(points, **AGENT_SETTINGS)) == ["tool_failures", "environment_crowds_out", "turn_limit", "no_reward_difference"]
+
+
+def test_a_finished_agent_run_s_limits_are_read_from_its_config(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(12):
+        writer.add_scalar("rollout/frac_turn_limit", 0.9, step)
+        writer.add_scalar("rollout/accuracy", 0.05, step)
+    writer.close()
+    task = {"class_path": "lit_cancel.agents.EnvironmentTask", "init_args": {"max_turns": 6, "max_turn_tokens": None,
+                                                                              "max_episode_tokens": 1024}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"data": {"init_args": {"task": task}}}))
+    history = read_run(tmp_path)
+    assert history.settings == {"max_turns": 6.0, "max_episode_tokens": 1024.0}  # max_turn_tokens unset: the module's
+    (finding,) = diagnose(history)
+    assert finding.rule == "turn_limit" and finding.remedy.startswith("raise data.init_args.task.init_args.max_turns (now 6) to about 12")
