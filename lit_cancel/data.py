@@ -7,6 +7,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
+from lit_cancel.agents.task import AgentTask
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.exports import EXPORTS
 from lit_cancel.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
@@ -148,8 +149,21 @@ class RolloutDataModule(TaskDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         self.check_sizes(world, accumulation, fitting=stage == "fit", objective=self._objective())
+        if self.trainer is not None:
+            self.check_agent(self.trainer.lightning_module)
         if stage == "fit" and self.trainer is not None:
             self.check_prompt_lengths(self.trainer.lightning_module)
+
+    def check_agent(self, module: L.LightningModule) -> None:
+        """Raises ValueError when the task runs episodes (an :class:`~lit_cancel.agents.AgentTask`) and the module's
+        engine samples ahead of the trainer (``max_staleness`` > 0): an episode's later turns depend on the
+        environment's answers, which an engine that samples ahead does not have."""
+        staleness = getattr(getattr(module, "engine", None), "max_staleness", 0)
+        if isinstance(self.task, AgentTask) and staleness > 0:
+            raise ValueError(
+                f"{type(self.task).__name__} runs episodes turn by turn, which an engine sampling ahead cannot "
+                f"(model.init_args.engine has max_staleness={staleness}); set max_staleness: 0"
+            )
 
     def check_prompt_lengths(self, module: L.LightningModule) -> None:
         """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
@@ -163,6 +177,9 @@ class RolloutDataModule(TaskDataModule):
         }
         limits = {name: value for name, value in limits.items() if isinstance(value, int)}
         max_new_tokens = getattr(module, "max_new_tokens", None)
+        name, option = "max_new_tokens", "model.init_args.max_new_tokens"
+        if isinstance(self.task, AgentTask):
+            max_new_tokens, name, option = self.task.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
         if not limits or not isinstance(max_new_tokens, int):
             return
         limit = min(limits, key=limits.__getitem__)
@@ -177,8 +194,8 @@ class RolloutDataModule(TaskDataModule):
                 raise_length = f", raise {ENGINE_MAX_MODEL_LEN}," if ENGINE_MAX_MODEL_LEN in limit else ","
                 raise ValueError(
                     f"the longest {split} prompt ({self.task.record_source(split, longest)}, {lengths[longest]} tokens) does not fit "
-                    f"{limit}={context} minus max_new_tokens={max_new_tokens} leaves {room}; "
-                    f"shorten or drop the long prompts{raise_length} or lower model.init_args.max_new_tokens"
+                    f"{limit}={context} minus {name}={max_new_tokens} leaves {room}; "
+                    f"shorten or drop the long prompts{raise_length} or lower {option}"
                 )
         self.prompts_fit_in = room
 

@@ -35,6 +35,8 @@ class Generation:
         sampler_steps: ``[B * n]`` the optimizer step of the weights that sampled each row (an engine on separate
             servers reports it); None when the engine samples with the current weights.
         stats: the engine's own ``rollout/...`` and ``perf/...`` statistics of the call.
+        rewards: ``[B * n]`` rewards the rollouts already have (an agent's environment scored its episode), NaN where
+            the task's reward scores the text; None when none has one.
     """
 
     input_ids: Tensor
@@ -46,6 +48,7 @@ class Generation:
     sync_seconds: float = 0.0
     sampler_steps: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    rewards: Tensor | None = None
 
     @classmethod
     def from_sampled(

@@ -2,6 +2,7 @@
 
 import copy
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Literal
 
 import lightning as L
@@ -183,15 +184,20 @@ class PolicyModule(L.LightningModule):
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
 
     @torch.no_grad()
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
-        """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token."""
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None) -> Generation:
+        """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token
+        or after ``max_new_tokens`` (the module's when None)."""
         # the KV cache would otherwise come on top of the host memory the last training pass freed (host_memory.py)
         release_free_heap()
         was_training = self.policy.training
         self.policy.eval()
         policy = self.policy_weights()
         validation = self._trainer is not None and not self.trainer.training
-        request = SampleRequest(input_ids, attention_mask, num_samples, self.sampling_options(), greedy, validation)
+        options = self.sampling_options()
+        if max_new_tokens is not None:
+            options = replace(options, max_new_tokens=max_new_tokens)
+        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, validation)
         with gathered(self.policy), self.engine.context(self.device):
             sync_seconds = 0.0
             if self.engine_version != self.weights_version:
@@ -242,10 +248,11 @@ class PolicyModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         records, size = batch["records"], len(batch["records"])
         task = self.trainer.datamodule.task
-        greedy = self.rollout(batch["input_ids"], batch["attention_mask"], greedy=True)
-        self.val_greedy_accuracy.update(accuracy_terms(task, records, greedy.texts))
-        sampled = self.rollout(batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
-        self.val_accuracy.update(accuracy_terms(task, [r for r in records for _ in range(self.val_samples)], sampled.texts))
+        greedy = task.rollout(self, records, batch["input_ids"], batch["attention_mask"], greedy=True)
+        self.val_greedy_accuracy.update(accuracy_terms(task, records, greedy.texts, greedy.rewards))
+        sampled = task.rollout(self, records, batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
+        repeated = [r for r in records for _ in range(self.val_samples)]
+        self.val_accuracy.update(accuracy_terms(task, repeated, sampled.texts, sampled.rewards))
         # the loggers get the values in on_validation_epoch_end, at the step the training scalars and the bar show
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples, logger=False)
         self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size, logger=False)

@@ -59,9 +59,16 @@ def judged(task: Task, method: str, check, records: list[Record], completions: l
     return torch.tensor(values)
 
 
-def score(task: Task, records: list[Record], completions: list[str]) -> Tensor:
-    """Rewards of ``completions[i]`` for ``records[i]``; a reward function that raises or returns a non-number is named with its input."""
-    return judged(task, "reward", checked_reward, records, completions)
+def score(task: Task, records: list[Record], completions: list[str], given: Tensor | None = None) -> Tensor:
+    """Rewards of ``completions[i]`` for ``records[i]``: ``given[i]`` where the rollout has one (not NaN), else the
+    task's; a reward function that raises or returns a non-number is named with its input."""
+    if given is None:
+        return judged(task, "reward", checked_reward, records, completions)
+    rewards = given.detach().cpu().float().clone()
+    unscored = torch.nonzero(rewards.isnan()).squeeze(1).tolist()
+    if unscored:
+        rewards[unscored] = judged(task, "reward", checked_reward, [records[i] for i in unscored], [completions[i] for i in unscored])
+    return rewards
 
 
 def checked_verdict(verdict: object, source: str, where: str) -> float:
@@ -82,13 +89,14 @@ def correctness(task: Task, records: list[Record], completions: list[str]) -> Te
     return judged(task, "correct", checked_verdict, records, completions)
 
 
-def accuracy_terms(task: Task, records: list[Record], completions: list[str]) -> Tensor:
+def accuracy_terms(task: Task, records: list[Record], completions: list[str], given: Tensor | None = None) -> Tensor:
     """What ``val/accuracy`` averages: per completion 1.0 or 0.0 by ``task.correct`` where the task tells, else the
-    reward (rewards are computed only for those)."""
+    reward (``given`` where the rollout has one, as :func:`score`; rewards are computed only for those)."""
     terms = correctness(task, records, completions)
     unknown = torch.nonzero(terms.isnan()).squeeze(1).tolist()
     if unknown:
-        terms[unknown] = score(task, [records[i] for i in unknown], [completions[i] for i in unknown])
+        terms[unknown] = score(task, [records[i] for i in unknown], [completions[i] for i in unknown],
+                               None if given is None else given.cpu()[unknown])
     return terms
 
 
@@ -130,11 +138,12 @@ def sample_groups(
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
         torch.manual_seed(seed)
-        generation = policy.rollout(prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device), group_size)
+        generation = task.rollout(policy, records, prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device),
+                                  group_size)
     seconds = time.perf_counter() - started
 
     repeated = [r for r in records for _ in range(group_size)]
-    rewards = score(task, repeated, generation.texts)
+    rewards = score(task, repeated, generation.texts, generation.rewards)
     correct = correctness(task, repeated, generation.texts)
     advantage = advantages(rewards.view(len(records), group_size)).reshape(-1)
     with policy.precision_context():

@@ -4,12 +4,14 @@ This is how the embedded tiny model was made (``configs/sft-tiny.yaml``): a part
 so that RL rollout groups have mixed rewards.
 """
 
+import functools
 import random
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lit_cancel.agents.task import AgentTask
 from lit_cancel.data import TaskDataModule
 from lit_cancel.module import PolicyModule
 from lit_cancel.sharding import is_sharded
@@ -17,19 +19,25 @@ from lit_cancel.tasks import Record, Task
 
 
 class _Solutions(Dataset):
+    """``(record, turns)``: a reference solution as one turn, or an agent task's demonstration episode."""
+
     def __init__(self, task: Task, seed: int):
         self.records, self.task, self.seed = task.train_records(), task, seed
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, index: int) -> tuple[Record, str]:
-        record = self.records[index]
-        return record, random.Random(self.seed * 1_000_003 + index).choice(self.task.solutions(record))
+    def __getitem__(self, index: int) -> tuple[Record, list[tuple[str, str]]]:
+        record, rng = self.records[index], random.Random(self.seed * 1_000_003 + index)
+        if isinstance(self.task, AgentTask):
+            return record, self.task.demonstration(record, rng)
+        return record, [(rng.choice(self.task.solutions(record)), "")]
 
 
 class SFTDataModule(TaskDataModule):
-    """Prompt + reference solution pairs; the loss covers the solution and its EOS, not the prompt.
+    """Prompt + reference solution pairs; the loss covers the solution and its EOS, not the prompt. For an
+    :class:`~lit_cancel.agents.AgentTask`, its demonstration episodes: the loss covers each turn and its EOS, not the
+    environment's observations.
 
     Args:
         task: where prompts and their solutions come from.
@@ -44,18 +52,27 @@ class SFTDataModule(TaskDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.seed = batch_size, seed
 
-    def collate(self, examples: list[tuple[Record, str]]) -> dict:
-        prompts = self.tokenizer([r["prompt"] for r, _ in examples], add_special_tokens=False)["input_ids"]
-        answers = self.tokenizer([s for _, s in examples], add_special_tokens=False)["input_ids"]
+    def collate(self, examples: list[tuple[Record, list[tuple[str, str]]]]) -> dict:
+        encode = functools.partial(self.tokenizer, add_special_tokens=False)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        sequences = [p + a + [eos] for p, a in zip(prompts, answers)]
+        sequences, trained = [], []
+        for record, turns in examples:
+            sequence = encode(record["prompt"])["input_ids"]
+            mask = [False] * len(sequence)
+            for turn, observation in turns:
+                turn_ids, observation_ids = encode(turn)["input_ids"] + [eos], encode(observation)["input_ids"] if observation else []
+                sequence += turn_ids + observation_ids
+                mask += [True] * len(turn_ids) + [False] * len(observation_ids)
+            sequences.append(sequence)
+            trained.append(mask)
         width = max(map(len, sequences))
         input_ids = torch.full((len(sequences), width), pad)
         labels = torch.full((len(sequences), width), -100)
         attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, (prompt, sequence) in enumerate(zip(prompts, sequences)):
-            input_ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :])
+        for row, (sequence, mask) in enumerate(zip(sequences, trained)):
+            ids = torch.tensor(sequence)
+            input_ids[row, : len(sequence)] = ids
+            labels[row, : len(sequence)] = ids.masked_fill(~torch.tensor(mask), -100)
             attention_mask[row, : len(sequence)] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 

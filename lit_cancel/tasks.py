@@ -13,6 +13,13 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lit_cancel.generation import Generation
+    from lit_cancel.producer import RolloutPolicy
 
 Record = dict
 
@@ -51,6 +58,13 @@ class Task(ABC):
     def record_source(self, split: str, index: int) -> str:
         """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
         return f"{split} record {index}"
+
+    def rollout(self, policy: "RolloutPolicy", records: list[Record], input_ids: "Tensor", attention_mask: "Tensor",
+                num_samples: int = 1, greedy: bool = False) -> "Generation":
+        """``num_samples`` rollouts of each of ``records``, whose prompts ``input_ids`` holds left-padded: here one
+        completion each by ``policy.rollout``; an :class:`~lit_cancel.agents.AgentTask` runs an episode of several
+        turns against its environment instead."""
+        return policy.rollout(input_ids, attention_mask, num_samples, greedy)
 
 
 class AdditionTask(Task):

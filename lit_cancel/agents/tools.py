@@ -95,6 +95,31 @@ class HermesCalls(CallFormat):
         return f"{self.prefix}{blocks}{self.suffix}"
 
 
+class ColonCalls(CallFormat):
+    """One call per turn, written ``name: argument`` and answered `` = result`` on the same line: a format short enough
+    for a small model to learn from scratch (the embedded agent's). A turn without a colon calls no tool.
+
+    Args:
+        argument: the parameter of the tools that the text after the colon fills.
+    """
+
+    NAME = re.compile(r"[A-Za-z_]\w*")
+
+    def __init__(self, argument: str = "expression"):
+        self.argument = argument
+
+    def parse(self, text: str) -> list[ToolCall]:
+        if ":" not in text:
+            return []
+        name, argument = (part.strip() for part in text.split(":", 1))
+        if not self.NAME.fullmatch(name):
+            raise MalformedCall(f"{name!r} before the colon is not a tool's name")
+        return [ToolCall(name, {self.argument: argument})]
+
+    def render(self, results: list[ToolResult]) -> str:
+        return "".join(f" {'' if result.failed else '= '}{result.text}\n" for result in results)
+
+
 def cleaned(value: object, max_chars: int) -> str:
     """A tool's output as the text the policy reads: bytes decoded as UTF-8 with replacement characters, control
     characters other than newline and tab dropped, and at most ``max_chars`` characters (the cut said so)."""

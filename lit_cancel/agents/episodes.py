@@ -1,0 +1,215 @@
+"""Episodes as one token sequence: the policy's turns as sampled, the environment's observations appended as ids.
+
+Each turn, every episode still running is continued from its own tokens (prompt, earlier turns, observations), never
+from re-tokenized text, so what the policy was conditioned on when it sampled is exactly what training reads. The
+episode becomes one row of a :class:`~lit_cancel.generation.Generation`: its prompt left-padded, then its turns and
+observations; ``attention_mask`` is one on all of them, ``completion_mask`` on the policy's tokens only, so that the
+environment's tokens stay in the context and out of every credit and normaliser.
+
+An episode ends when the environment says it is done, after ``max_turns`` turns, when a turn runs past
+``max_turn_tokens`` without a stop token (the environment is not asked to read half a turn), or at
+``max_episode_tokens`` (its last turn or observation cut there).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lit_cancel.agents.environment import Environment, EnvironmentFailure, reset_episode, step_episode
+from lit_cancel.generation import Generation, padded
+from lit_cancel.rollouts import checked_reward
+from lit_cancel.tasks import Record
+
+ENDINGS = ("done", "turn_limit", "turn_cut", "episode_cut")
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """How far an episode may run.
+
+    Attributes:
+        max_turns: turns of the policy at most.
+        max_turn_tokens: tokens of one turn at most; the policy module's ``max_new_tokens`` when None.
+        max_episode_tokens: tokens after the prompt at most, the policy's and the environment's together.
+    """
+
+    max_turns: int = 4
+    max_turn_tokens: int | None = None
+    max_episode_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class Episode:
+    """One episode as it runs: its prompt and its tokens, each from the policy or the environment."""
+
+    prompt: list[int]
+    environment: Environment
+    where: str
+    tokens: list[int] = field(default_factory=list)
+    from_policy: list[bool] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    transcript: list[str] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    sampler_step: int | None = None
+    ending: str | None = None
+
+    def append(self, tokens: list[int], from_policy: bool, logprobs: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.from_policy += [from_policy] * len(tokens)
+        self.sampler_logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+def run_episodes(policy, make_environment: Callable[[], Environment], limits: EpisodeLimits, records: list[Record],
+                 input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                 where: Callable[[int], str] = lambda index: f"record {index}") -> Generation:
+    """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
+    turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
+
+    ``policy`` is a :class:`~lit_cancel.producer.RolloutPolicy`; ``make_environment`` makes one environment per
+    episode; ``where(i)`` names record ``i`` in the messages of a failing environment. Rows are ordered as
+    ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
+    transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave
+    none); ``stats`` the episodes' ``rollout/...`` statistics (:func:`episode_stats`) and the engine's.
+    """
+    tokenizer, device = policy.tokenizer, input_ids.device
+    episodes = []
+    for index, (record, ids, mask) in enumerate(zip(records, input_ids.cpu(), attention_mask.cpu(), strict=True)):
+        for _ in range(num_samples):
+            environment = make_environment()
+            if not isinstance(environment, Environment):
+                raise EnvironmentFailure(f"the environment factory returned {type(environment).__name__}, not an Environment")
+            opening = reset_episode(environment, record, where(index))
+            prompt = ids[mask.bool()].tolist() + (tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else [])
+            episodes.append(Episode(prompt, environment, where(index)))
+
+    turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
+    stops = set(policy.stop_token_ids)
+    sync_seconds, engine_stats = 0.0, {}
+    for turn in range(1, limits.max_turns + 1):
+        running = [e for e in episodes if e.ending is None]
+        if not running and not (dist.is_initialized() and dist.get_world_size() > 1):
+            break
+        # a sharded policy gathers its weights at each call: every process makes as many
+        contexts = [e.prompt + e.tokens for e in running] or [[tokenizer.pad_token_id]]
+        ids, mask = padded(contexts, tokenizer.pad_token_id, left=True)
+        room = max((limits.max_episode_tokens - len(e.tokens) for e in running), default=1)
+        generation = policy.rollout(ids.to(device), mask.to(device), 1, greedy, max_new_tokens=min(turn_tokens, room))
+        sync_seconds += generation.sync_seconds
+        engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in generation.stats.items()}
+        for row, episode in enumerate(running):
+            take_turn(episode, generation, row, turn, turn == limits.max_turns, limits, stops, tokenizer)
+    for episode in episodes:
+        episode.ending = episode.ending or "turn_limit"
+
+    rewards = []
+    for episode in episodes:
+        reward = episode.environment.reward()
+        source = f"{type(episode.environment).__name__}.reward"
+        rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
+    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
+                         engine_stats | episode_stats(episodes))
+
+
+def take_turn(episode: Episode, generation: Generation, row: int, turn: int, last: bool, limits: EpisodeLimits,
+              stops: set[int], tokenizer) -> None:
+    """Appends row ``row`` of ``generation`` to ``episode`` as its turn ``turn``, then the environment's answer."""
+    sampled = generation.completion_mask[row].bool()
+    tokens = generation.input_ids[row, generation.prompt_length:][sampled].tolist()
+    logprobs = None if generation.sampler_logprobs is None else generation.sampler_logprobs[row][sampled].tolist()
+    if generation.sampler_steps is not None:
+        step = int(generation.sampler_steps[row])
+        episode.sampler_step = step if episode.sampler_step is None else min(episode.sampler_step, step)
+    room = limits.max_episode_tokens - len(episode.tokens)
+    stopped = bool(tokens) and tokens[-1] in stops
+    episode.turns += 1
+    episode.append(tokens[:room], True, None if logprobs is None else logprobs[:room])
+    episode.transcript.append(generation.texts[row])
+    if len(tokens) > room:
+        episode.ending = "episode_cut"
+        return
+    if not stopped:
+        episode.ending = "turn_cut"
+        return
+    observation = step_episode(episode.environment, generation.texts[row], turn, episode.where)
+    episode.tool_calls += observation.tool_calls
+    episode.tool_errors += observation.tool_errors
+    if observation.done:
+        episode.ending = "done"
+        return
+    if last:
+        return
+    answer = tokenizer(observation.text, add_special_tokens=False)["input_ids"]
+    room = limits.max_episode_tokens - len(episode.tokens)
+    episode.append(answer[:room], False)
+    episode.transcript.append(observation.text if len(answer) <= room else tokenizer.decode(answer[:room]))
+    # an observation that fills the episode leaves no room for another turn
+    if len(answer) >= room:
+        episode.ending = "episode_cut"
+
+
+def as_generation(episodes: list[Episode], pad_id: int, device: torch.device, rewards: list[float], sync_seconds: float,
+                  stats: dict[str, float]) -> Generation:
+    """The episodes as rows of one :class:`Generation`."""
+    prompt_ids, prompt_mask = padded([e.prompt for e in episodes], pad_id, left=True)
+    tokens, attended = padded([e.tokens or [pad_id] for e in episodes], pad_id, left=False)
+    attended *= torch.tensor([bool(e.tokens) for e in episodes]).unsqueeze(1)
+    from_policy, _ = padded([e.from_policy or [False] for e in episodes], 0, left=False)
+    sampler_logprobs = None
+    if any(e.sampler_step is not None or any(e.sampler_logprobs) for e in episodes):
+        sampler_logprobs = padded_floats([e.sampler_logprobs for e in episodes], tokens.shape[1])
+    steps = [e.sampler_step for e in episodes]
+    return Generation(
+        input_ids=torch.cat([prompt_ids, tokens], 1).to(device),
+        attention_mask=torch.cat([prompt_mask, attended], 1).to(device),
+        completion_mask=(from_policy.bool() & attended.bool()).long().to(device),
+        prompt_length=prompt_ids.shape[1],
+        texts=["".join(e.transcript) for e in episodes],
+        sampler_logprobs=None if sampler_logprobs is None else sampler_logprobs.to(device),
+        sync_seconds=sync_seconds,
+        sampler_steps=None if None in steps else torch.tensor(steps, device=device),
+        stats=stats,
+        rewards=torch.tensor(rewards, device=device),
+    )
+
+
+def padded_floats(rows: list[list[float]], width: int) -> Tensor:
+    values = torch.zeros(len(rows), width)
+    for index, row in enumerate(rows):
+        values[index, : len(row)] = torch.tensor(row, dtype=values.dtype)
+    return values
+
+
+def episode_stats(episodes: list[Episode]) -> dict[str, float]:
+    """``rollout/...`` statistics of the episodes.
+
+    ``turns`` per episode; ``tool_calls`` and ``tool_errors`` per episode; ``env_token_share``, the environment's
+    share of the tokens after the prompts; ``frac_turn_limit``, episodes that ran out of turns; ``frac_turn_cut``,
+    turns cut at ``max_turn_tokens``; ``frac_episode_cut``, episodes cut at ``max_episode_tokens``;
+    ``frac_truncated``, episodes cut by either token limit (as a single-turn completion cut at ``max_new_tokens``).
+    """
+    count = len(episodes)
+    endings = {ending: sum(e.ending == ending for e in episodes) / count for ending in ENDINGS}
+    all_tokens = sum(len(e.tokens) for e in episodes)
+    environment_tokens = sum(len(e.from_policy) - sum(e.from_policy) for e in episodes)
+    turns = sum(e.turns for e in episodes)
+    return {
+        "rollout/turns": turns / count,
+        "rollout/tool_calls": sum(e.tool_calls for e in episodes) / count,
+        "rollout/tool_errors": sum(e.tool_errors for e in episodes) / count,
+        "rollout/env_token_share": environment_tokens / max(all_tokens, 1),
+        "rollout/frac_turn_limit": endings["turn_limit"],
+        "rollout/frac_turn_cut": sum(e.ending == "turn_cut" for e in episodes) / max(turns, 1),
+        "rollout/frac_episode_cut": endings["episode_cut"],
+        "rollout/frac_truncated": endings["turn_cut"] + endings["episode_cut"],
+    }
