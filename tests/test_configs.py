@@ -28,11 +28,13 @@ def test_every_key_is_commented(config):
 
 def real_model_args(config: str, tmp_path, model_path: str, data_file: str) -> list[str]:
     """A real-model recipe on the CPU with a stand-in model and data file, shrunk to fit a test."""
+    # an agent recipe's task holds the task that reads the files
+    task = "--data.init_args.task.init_args." + ("task.init_args." if "EnvironmentTask" in (CONFIGS / config).read_text() else "")
     return [
         "--config", str(CONFIGS / config), "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--model.init_args.model_path={model_path}", "--model.init_args.max_new_tokens=8",
-        f"--data.init_args.task.init_args.train_file={data_file}", f"--data.init_args.task.init_args.val_file={data_file}",
+        f"{task}train_file={data_file}", f"{task}val_file={data_file}",
         "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=2",
     ]
 
