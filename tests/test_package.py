@@ -50,7 +50,7 @@ def test_the_wheel_ships_the_models_and_builds_without_a_packaging_warning(tmp_p
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {name for name in names if name.startswith("lit_cancel/assets/")}
     expected = {f"lit_cancel/{path.relative_to(root / 'lit_cancel').as_posix()}" for path in (root / "lit_cancel" / "assets").glob("*/*")}
-    assert shipped == expected and len(expected) == 10
+    assert shipped == expected and len(expected) == 15  # three models, five files each
     # every module of every sub-package, the callbacks' folder installed as lit_cancel/callbacks
     sources = {f"lit_cancel/{path.relative_to(root / 'lit_cancel').as_posix()}" for path in (root / "lit_cancel").rglob("*.py")}
     sources |= {f"lit_cancel/callbacks/{path.relative_to(root / 'callbacks').as_posix()}" for path in (root / "callbacks").rglob("*.py")}
