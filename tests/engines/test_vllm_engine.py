@@ -409,3 +409,20 @@ def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_eng
     # each step's rollouts were sampled from the weights of the step before, gathered from both shards
     assert max(mismatch_by_step) < TOLERANCE
     assert sum(e.value for e in events.Scalars("perf/weight_sync_s")) > 0
+
+
+def test_agent_episodes_run_through_vllm_turn_by_turn_with_the_sampler_s_log_probs_on_the_policy_s_tokens():
+    """Each turn is one request of token ids: the episode's rows carry vLLM's log-probs on the policy's tokens (equal to
+    the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
+    from lit_cancel.agents import ToolAdditionTask
+
+    module = RLModule("embedded:tiny-agent", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=23)
+    task = ToolAdditionTask(train_size=16, val_size=2)
+    records = task.train_records()[:4]
+    encoded = encode_prompts(module.tokenizer, records)
+    torch.manual_seed(0)
+    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
+    replies = generation.attention_mask[:, generation.prompt_length:].bool() & ~generation.completion_mask.bool()
+    assert replies.any() and generation.stats["rollout/turns"] > 1
+    assert (generation.sampler_logprobs[replies] == 0).all()
+    assert mismatch(module, generation) < TOLERANCE
