@@ -190,7 +190,8 @@ def round_stats(
     """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
 
     ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
-    completion without a token of ``stop_token_ids`` was cut at ``max_new_tokens``. A statistic of
+    completion whose last token is not one of ``stop_token_ids`` was cut at ``max_new_tokens`` (an agent's episode
+    whose last turn was cut, at its turn or episode token limit). A statistic of
     no rollout is left out: ``rollout/reward_truncated`` of a round without a cut completion,
     ``rollout/reward_finished`` of one where every completion was cut, ``rollout/reward_correct_corr``
     of one whose rewards or correctness are all equal or whose task cannot tell correctness.
@@ -200,7 +201,10 @@ def round_stats(
     lengths = sampled.completion_mask.sum(1).float()
     completions = sampled.input_ids[:, sampled.prompt_length :]
     stops = torch.tensor(list(stop_token_ids), device=completions.device)
-    ended = (torch.isin(completions, stops) & sampled.completion_mask.bool()).any(1)
+    # a completion ends at its last policy token: in an agent's episode, the last turn's, whatever earlier turns did
+    policy = sampled.completion_mask.bool()
+    last = torch.where(policy, torch.arange(policy.shape[1], device=policy.device), -1).max(1).values
+    ended = (last >= 0) & torch.isin(completions.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1), stops)
     told = sampled.correct if sampled.correct is not None else torch.full_like(flat, math.nan)
     correct = torch.where(told.isnan(), (flat > 0).float(), told.float())
     stats = {

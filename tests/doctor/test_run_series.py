@@ -46,6 +46,21 @@ def test_round_stats_split_the_reward_by_how_completions_ended_and_score_correct
     assert stats["rollout/reward_correct_corr"] == pytest.approx(0.375 / math.sqrt(0.546875))
 
 
+def test_an_episode_whose_last_turn_was_cut_counts_as_truncated_whatever_its_first_turn_did():
+    """Two episodes of a stopped first turn, a reply (out of the policy mask) and a second turn: cut in row 0, stopped
+    in row 1."""
+    completions = torch.tensor([[5, STOP, 7, 7, 5, 5], [5, STOP, 7, 7, 5, STOP]])
+    policy = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]])
+    batch = RolloutBatch(
+        input_ids=torch.cat([torch.ones(2, 1, dtype=torch.long), completions], 1), attention_mask=torch.ones(2, 7, dtype=torch.long),
+        completion_mask=policy, prompt_length=1, rewards=torch.tensor([0.0, 1.0]), advantages=torch.zeros(2),
+        group_ids=torch.tensor([0, 0]),
+    )
+    stats = round_stats(batch, 2, 2, seconds=1.0, sync_seconds=0.0, stop_token_ids=[STOP])
+    assert stats["rollout/frac_truncated"] == 0.5
+    assert (stats["rollout/reward_truncated"], stats["rollout/reward_finished"]) == (0.0, 1.0)
+
+
 def test_a_round_without_cut_or_without_finished_completions_leaves_that_key_out():
     rewards = [1.0, 0.5, 0.0, 0.25]
     cut = hand_batch(rewards, None)
