@@ -17,3 +17,18 @@ def test_quickstart_raises_held_out_accuracy_by_ten_points(tmp_path):
     accuracy = [e.value for e in events.Scalars("val/accuracy")]
     assert len(accuracy) == 5  # before training, then every 25 of the 100 steps
     assert accuracy[-1] - accuracy[0] >= 0.10, accuracy
+
+
+@pytest.mark.slow
+def test_the_agent_quickstart_raises_held_out_success_by_ten_points_with_the_health_callbacks_on(tmp_path):
+    config = QUICKSTART.with_name("quickstart-agent.yaml")
+    cli = run_cli(["fit", "--config", str(config), f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false"])
+    monitors = {type(callback).__name__ for callback in cli.trainer.callbacks}
+    assert {"EntropyCollapseMonitor", "LearningTaxMonitor", "TokenFlipMonitor", "RunDoctor"} <= monitors
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    success = [e.value for e in events.Scalars("val/accuracy")]
+    assert len(success) == 4  # before training, then every 20 of the 60 steps
+    assert success[-1] - success[0] >= 0.10, success
+    assert events.Scalars("rollout/tool_calls")[-1].value > events.Scalars("rollout/tool_calls")[0].value
