@@ -35,9 +35,9 @@ def test_slope_interval_is_the_least_squares_slope_with_its_t_interval():
     assert slope == pytest.approx(1.1) and half == pytest.approx(4.302653 * math.sqrt(0.27), abs=1e-5)
 
 
-def test_verdict_calls_an_effect_only_when_the_interval_excludes_zero():
-    assert experiments.verdict(1.0, 0.5) == "effect" and experiments.verdict(-1.0, 0.5) == "effect"
-    assert experiments.verdict(0.3, 0.5) == "null" and experiments.verdict(0.3, math.nan) == "n/a"
+def test_verdict_calls_an_effect_only_where_the_test_rejects():
+    assert experiments.verdict(0.049) == "effect" and experiments.verdict(0.0) == "effect"
+    assert experiments.verdict(0.05) == "inconclusive" and experiments.verdict(math.nan) == "n/a"
 
 
 def test_minimal_detectable_effect_by_hand():
@@ -46,11 +46,11 @@ def test_minimal_detectable_effect_by_hand():
     assert math.isnan(experiments.minimal_detectable_effect(0.1, 1))
 
 
-def test_a_null_with_a_large_minimal_detectable_effect_is_inconclusive():
-    assert experiments.verdict(0.01, 0.05, mde=0.07, relevant=0.05) == "inconclusive"
-    assert experiments.verdict(0.01, 0.03, mde=0.04, relevant=0.05) == "null"
-    assert experiments.verdict(0.1, 0.05, mde=0.07, relevant=0.05) == "effect"
-    assert experiments.verdict(0.01, 0.05, mde=0.07) == "null"
+def test_no_difference_is_called_only_where_a_stated_margin_is_shown_by_tost():
+    assert experiments.verdict(0.6, 0.01, 0.04) == "no difference larger than 0.04"
+    assert experiments.verdict(0.6, 0.17, 0.04) == "inconclusive"  # E9's reward-balanced − shuffled: TOST fails
+    assert experiments.verdict(0.6, 0.01) == "inconclusive"  # no margin was stated: never a null, whatever the TOST
+    assert experiments.verdict(0.01, 0.01, 0.10) == "effect"  # the test rejects: an effect, even inside the margin
 
 
 def test_steps_to_threshold_reads_the_moving_mean():
@@ -236,10 +236,14 @@ def test_bootstrap_ratio_interval_covers_the_true_ratio_about_95_percent_of_the_
     assert 0.88 <= covered / trials <= 0.99
 
 
-def test_verdict_follows_the_adjusted_p_when_given():
-    assert experiments.verdict(-0.028, 0.027, p=0.2185) == "null"  # the interval excludes 0, Holm does not reject
-    assert experiments.verdict(-0.028, 0.027, p=0.01) == "effect"
-    assert experiments.verdict(0.01, 0.05, mde=0.07, relevant=0.05, p=0.6) == "inconclusive"
+def test_a_cell_follows_the_adjusted_p_and_states_its_mde_and_tost():
+    from lab import cells
+
+    # E9's reward-balanced − shuffled with its Holm p: the interval excludes 0, the test does not reject, TOST fails
+    text = cells.described(-0.028, 0.0268, 10, p=0.2185, margin=0.04, p_equivalence=0.17)
+    assert text == "-0.028 ± 0.027 (inconclusive; p 0.22; TOST ±0.04 p 0.17; MDE 0.037; n=10)"
+    assert cells.described(-0.028, 0.0268, 10, p=0.01) == "-0.028 ± 0.027 (effect; p 0.01; MDE 0.037; n=10)"
+    assert cells.described(0.1, 0.5, 3, p=0.001) == "0.100 ± 0.500 (inconclusive; p 0.001; MDE 0.623; n=3)"  # below 5 pairs
 
 
 @pytest.mark.parametrize(("successes", "n"), [(19, 30), (11, 30), (15, 30), (0, 10), (10, 10), (3, 7), (17, 34)])

@@ -10,6 +10,7 @@ from collections import defaultdict
 from lab.stats import (
     ALPHA,
     bootstrap_ratio_interval,
+    equivalent,
     fieller_interval,
     holm,
     mean_interval,
@@ -22,7 +23,6 @@ from lab.stats import (
     verdict,
 )
 
-RELEVANT_ACCURACY = 0.05  # a null on final accuracy whose minimal detectable effect is above this is "inconclusive"
 MIN_SEEDS = 5  # fewer paired seeds than this: the comparison is reported as inconclusive, whatever its interval
 EQUIVALENCE_MARGIN = 0.04  # TOST margin on final accuracy, stated before the tests were run (round 3)
 
@@ -92,16 +92,23 @@ def format_p(p: float) -> str:
 
 
 def described(
-    mean: float, half: float, pairs: int, digits: int = 3, relevant: float | None = None, p: float = math.nan,
-    family: str | None = None, comparison: tuple = (),
+    mean: float, half: float, pairs: int, digits: int = 3, p: float = math.nan, family: str | None = None,
+    comparison: tuple = (), margin: float | None = None, p_equivalence: float = math.nan, equivalence_family: str | None = None,
 ) -> str:
-    """``mean ± half (verdict; p raw, Holm adjusted; MDE m; n=pairs)``. The verdict is "effect" only where the
-    Holm-adjusted p (over ``family``) is below 0.05; every null states its minimal detectable effect (80% power)."""
+    """``mean ± half (verdict; p raw, Holm adjusted; TOST ±margin p; MDE m; n=pairs)`` with the verdict of
+    :func:`lab.stats.verdict`: on the Holm-adjusted p over ``family`` (the raw p without one), and, where a ``margin``
+    was stated for the outcome, on the TOST p ``p_equivalence`` (Holm-adjusted over ``equivalence_family`` where one
+    applies). Every cell states its minimal detectable effect (80% power), effects included."""
     mde = minimal_detectable_effect(half, pairs)
-    adjusted = FAMILIES.adjust(family, comparison, p) if family else math.nan
-    call = verdict(mean, half, mde, relevant, p=adjusted if family else None) if pairs >= MIN_SEEDS else "inconclusive"
-    detectable = f"; MDE {mde:.{digits}f}" if call in ("null", "inconclusive") and not math.isnan(mde) else ""
-    tests = f"; p {format_p(p)}, Holm {format_p(adjusted)}" if family and not math.isnan(p) else ""
+    adjusted = FAMILIES.adjust(family, comparison, p) if family else p
+    adjusted_equivalence = (FAMILIES.adjust(equivalence_family, comparison, p_equivalence) if equivalence_family
+                            else p_equivalence)
+    call = verdict(adjusted, adjusted_equivalence, margin) if pairs >= MIN_SEEDS else "inconclusive"
+    tests = "" if math.isnan(p) else f"; p {format_p(p)}" + (f", Holm {format_p(adjusted)}" if family else "")
+    if margin is not None and not math.isnan(p_equivalence):
+        holm = f", Holm {format_p(adjusted_equivalence)}" if equivalence_family else ""
+        tests += f"; TOST ±{margin:.2f} p {format_p(p_equivalence)}{holm}"
+    detectable = "" if math.isnan(mde) else f"; MDE {mde:.{digits}f}"
     return f"{format_interval(mean, half, digits)} ({call}{tests}{detectable}; n={pairs})"
 
 
@@ -110,18 +117,26 @@ def _paired(a: dict[int, dict], b: dict[int, dict], key: str, b_key: str | None 
 
 
 def difference(
-    a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3, b_key: str | None = None, relevant: float | None = None,
-    family: str | None = None, comparison: tuple = (),
+    a: dict[int, dict], b: dict[int, dict], key: str, digits: int = 3, b_key: str | None = None, family: str | None = None,
+    comparison: tuple = (), margin: float | None = None, equivalence_family: str | None = None,
 ) -> str:
     """``a[key] - b[b_key or key]`` paired over seeds, with its interval, raw and Holm-adjusted p (in ``family``, where
-    ``comparison`` names it; the same comparison from either side must get the same name), verdict and MDE."""
+    ``comparison`` names it; the same comparison from either side must get the same name), TOST within the ``margin``
+    stated for the outcome (if any; Holm-adjusted over ``equivalence_family`` if given), verdict and MDE."""
     pairs_a, pairs_b = _paired(a, b, key, b_key)
     _, p, _ = paired_t_test(pairs_a, pairs_b)
-    return described(*paired_difference(pairs_a, pairs_b), digits, relevant, p, family, comparison)
+    differences = paired_values(pairs_a, pairs_b)
+    p_equivalence = tost(differences, margin)[0] if margin is not None and len(differences) >= 2 else math.nan
+    return described(*paired_difference(pairs_a, pairs_b), digits, p, family, comparison, margin, p_equivalence,
+                     equivalence_family)
 
 
-def accuracy_difference(a: dict[int, dict], b: dict[int, dict], family: str | None = None, comparison: tuple = ()) -> str:
-    return difference(a, b, "val_end", relevant=RELEVANT_ACCURACY, family=family, comparison=comparison)
+def accuracy_difference(
+    a: dict[int, dict], b: dict[int, dict], family: str | None = None, comparison: tuple = (), equivalence_family: str | None = None,
+) -> str:
+    """Final accuracy, ``a - b`` paired over seeds, with TOST within the accuracy margin stated in round 3."""
+    return difference(a, b, "val_end", family=family, comparison=comparison, margin=EQUIVALENCE_MARGIN,
+                      equivalence_family=equivalence_family)
 
 
 def pair(*names: str) -> tuple:
@@ -136,7 +151,7 @@ def equivalence(a: dict[int, dict], b: dict[int, dict], key: str = "val_end", ma
     if len(differences) < 2:
         return "–"
     p, lower, upper = tost(differences, margin)
-    call = f"no difference larger than {margin:g}" if p < ALPHA else "inconclusive"
+    call = equivalent(margin) if p < ALPHA else "inconclusive"
     return (f"TOST p {format_p(p)} (p of > −{margin:g}: {format_p(lower)}, of < +{margin:g}: {format_p(upper)}): "
             f"**{call}** (n={len(differences)})")
 
@@ -158,19 +173,18 @@ def ratio(a: dict[int, dict], b: dict[int, dict], key: str, b_key: str | None = 
 
 
 def trend(
-    points: list[tuple[float, float]], scale: float = 1.0, digits: int = 3, relevant: float | None = None,
-    family: str | None = None, comparison: tuple = (),
+    points: list[tuple[float, float]], scale: float = 1.0, digits: int = 3, family: str | None = None, comparison: tuple = (),
 ) -> tuple[str, str]:
-    """The least-squares slope of ``y`` on ``x`` times ``scale``, its interval, and the verdict (on the Holm-adjusted p in
-    ``family``) with the minimal detectable slope for a null (``n - 2`` degrees of freedom; inconclusive below 5 seeds
-    or when it is above ``relevant``)."""
+    """The least-squares slope of ``y`` on ``x`` times ``scale``, its interval, and the verdict of
+    :func:`lab.stats.verdict` on the Holm-adjusted p in ``family`` (no margin was stated for a slope, so it is an effect
+    or inconclusive; inconclusive below 5 seeds) with the minimal detectable slope (``n - 2`` degrees of freedom)."""
     slope, half, p = slope_test([x for x, _ in points], [y for _, y in points])
     seeds = len(points) // max(len({x for x, _ in points}), 1)
     mde = minimal_detectable_effect(half, len(points) - 1) * scale  # n - 1 values give n - 2 degrees of freedom
-    adjusted = FAMILIES.adjust(family, comparison, p) if family else math.nan
-    call = verdict(slope * scale, half * scale, mde, relevant, p=adjusted if family else None) if seeds >= MIN_SEEDS else "inconclusive"
-    if family and not math.isnan(p):
-        call += f"; p {format_p(p)}, Holm {format_p(adjusted)}"
-    if call.split(";")[0] in ("null", "inconclusive") and not math.isnan(mde):
+    adjusted = FAMILIES.adjust(family, comparison, p) if family else p
+    call = verdict(adjusted) if seeds >= MIN_SEEDS else "inconclusive"
+    if not math.isnan(p):
+        call += f"; p {format_p(p)}" + (f", Holm {format_p(adjusted)}" if family else "")
+    if not math.isnan(mde):
         call += f"; MDE {mde:.{digits}f}"
     return format_interval(slope * scale, half * scale, digits), call

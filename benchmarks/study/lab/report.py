@@ -14,7 +14,7 @@ from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
 from lab.sections import SHARED, experiment_sections
 from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_verdict
 from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
-from lab.stats import ALPHA, fieller_interval, mean_interval, paired_difference, paired_t_test, paired_values, tost
+from lab.stats import fieller_interval, mean_interval, paired_difference, paired_t_test, paired_values, tost, verdict
 from lab.summaries import confidence_adjusted, load
 
 DOC = ROOT / "docs" / "experiments.md"
@@ -62,9 +62,9 @@ def family_lines() -> list[str]:
     lines = ["#### Holm families", "",
              "Each paired comparison's p-value is adjusted with Holm's step-down method over its family: one outcome of one "
              "experiment, i.e. every distinct paired comparison of that outcome the experiment's tables report (a comparison "
-             "shown from both sides counts once). Cells read `difference ± half-width (verdict; p raw, Holm adjusted; MDE; n)`; "
-             "\"effect\" means the Holm-adjusted p is below 0.05. The 95% intervals are per comparison (not adjusted), so an "
-             "interval can exclude 0 where the adjusted test does not reject.", "",
+             "shown from both sides counts once). Cells read `difference ± half-width (verdict; p raw, Holm adjusted; TOST ±margin "
+             "p, where a margin was stated for the outcome; MDE; n)`, the verdict by the rule at the top of this page. The 95% "
+             "intervals are per comparison (not adjusted), so an interval can exclude 0 where the adjusted test does not reject.", "",
              "| family | comparisons | effects after Holm |", "|---|---|---|"]
     for family in FAMILIES.raw:
         size, effects = FAMILIES.summary(family)
@@ -113,13 +113,23 @@ def _mean(runs: dict[int, dict], key: str) -> float:
     return mean_interval(list(finite_values(runs, key).values()))[0]
 
 
-def _adjusted(family: str, comparison: tuple) -> str:
-    return format_p(FAMILIES.adjusted[family][comparison])
+def _claim(family: str | None, comparison: tuple, p: float = math.nan, margin: float | None = None,
+           p_equivalence: float = math.nan, equivalence_family: str | None = None) -> str:
+    """A README claim's tests and its verdict by :func:`lab.stats.verdict`, e.g. ``Holm p 0.22, TOST ±0.04 p 0.17:
+    inconclusive``: the p is ``comparison``'s Holm-adjusted one in ``family`` (``p`` itself without a family), the TOST
+    p is given where a ``margin`` was stated (Holm-adjusted in ``equivalence_family`` if given). The form is the one
+    tests/study/test_verdict_wording.py reads back (after :func:`generated`, which fills the families)."""
+    test = FAMILIES.adjusted[family][comparison] if family else p
+    equivalence = FAMILIES.adjusted[equivalence_family][comparison] if equivalence_family else p_equivalence
+    tests = f"{'Holm p' if family else 'p'} {format_p(test)}"
+    if margin is not None:
+        tests += f", TOST ±{margin:.2f} {'Holm p' if equivalence_family else 'p'} {format_p(equivalence)}"
+    return f"{tests}: {verdict(test, equivalence, margin)}"
 
 
 def readme_lines(results: dict) -> list[str]:
-    """The experiment bullets of README.md, every number computed from the stored JSON (after :func:`generated`, which
-    fills the Holm families)."""
+    """The experiment bullets of README.md, every number computed from the stored JSON and every verdict by
+    :func:`lab.stats.verdict` (after :func:`generated`, which fills the Holm families)."""
     e2, e7, e9 = (dict(results[name]) for name in ("E2", "E7", "E9"))
     grpo_taxes = [_mean(seeds, "tax") for (arm, _), seeds in e2.items() if arm == "GRPO"]
     dfpo_tax = max(run["tax_max"] for name in ("E1", "E2", "E7") for (arm, _), seeds in results[name].items()
@@ -129,7 +139,7 @@ def readme_lines(results: dict) -> list[str]:
     gaps = [e2[("DFPOMin", s)][seed]["val_end"] - e2[("GRPO", s)][seed]["val_end"] for (arm, s), seeds in e2.items() if arm == "GRPO"
             for seed in seeds if seed in e2.get(("DFPOMin", s), {})]
     gap, gap_half = mean_interval(gaps)
-    gap_tost = tost(gaps, EQUIVALENCE_MARGIN)[0]
+    gap_claim = _claim("E2 accuracy", ("pooled",), margin=EQUIVALENCE_MARGIN, p_equivalence=tost(gaps, EQUIVALENCE_MARGIN)[0])
     s7 = f"{STUDY}-mu2"
     grpo7 = finite_values(e7[("GRPO", s7)], "val_end")
     dfpo, dfpo_half, _ = paired_difference(finite_values(e7[("DFPOMin", s7)], "val_end"), grpo7)
@@ -141,8 +151,11 @@ def readme_lines(results: dict) -> list[str]:
     s9 = f"{STUDY}-mu4-mb8"
     balanced, shuffled, signs = (finite_values(e9[(plan, s9)], "val_end") for plan in ("reward_balanced", "shuffled", "sign_sorted"))
     rb, rb_half, _ = paired_difference(balanced, shuffled)
-    sorted_tost = tost(paired_values(signs, balanced), EQUIVALENCE_MARGIN)[0]
-    points = round(100 * EQUIVALENCE_MARGIN)
+    opposite, opposite_half, _ = paired_difference(signs, balanced)
+    rb_claim = _claim("E9 accuracy", pair("reward_balanced", "shuffled"), margin=EQUIVALENCE_MARGIN,
+                      p_equivalence=tost(paired_values(balanced, shuffled), EQUIVALENCE_MARGIN)[0])
+    sorted_claim = _claim("E9 accuracy", pair("sign_sorted", "reward_balanced"), margin=EQUIVALENCE_MARGIN,
+                          p_equivalence=tost(paired_values(signs, balanced), EQUIVALENCE_MARGIN)[0])
     mantissa, exponent = f"{dfpo_tax:.0e}".split("e")
     return [
         README_BEGIN,
@@ -151,20 +164,19 @@ def readme_lines(results: dict) -> list[str]:
         f"  uncancelled on the tokens a group shares; DFPO leaves 0 (≤ {mantissa}e{int(exponent)}, float rounding); Dr. GRPO's clip up to "
         f"{100 * drgrpo_step:.2f}% of an off-policy step.",
         f"* **No accuracy cost of that tax was found, and none ruled out**: DFPOMin − GRPO over 9 settings {_signed(gap, 3)} ± "
-        f"{gap_half:.3f};",
-        f"  equivalence within {points} points is inconclusive (TOST p {format_p(gap_tost)}). Shared tokens are near-certain, "
-        "where gradients are small.",
+        f"{gap_half:.3f}",
+        f"  ({gap_claim}). Shared tokens are near-certain, where gradients are small.",
         f"* **Off-policy DFPO needs a trust region that keeps cancelling**: clip-free DFPOMin {_signed(dfpo, 2)} ± {dfpo_half:.2f} against "
-        f"GRPO at μ = 2 (Holm p {_adjusted('E7 accuracy', pair('DFPOMin', 'GRPO'))});",
+        f"GRPO at μ = 2 ({_claim('E7 accuracy', pair('DFPOMin', 'GRPO'))});",
         f"  with a sign-independent ratio mask (`DFPOMinTR`) GRPO is still ahead, by {100 * (masked - masked_half):.0f} to "
-        f"{100 * (masked + masked_half):.0f} points; the tax stays 0.",
+        f"{100 * (masked + masked_half):.0f} points ({_claim('E7 accuracy', pair('DFPOMin-TokenRatioMask', 'GRPO'))}); the tax stays 0.",
         f"* **Token flipping (paper B) reproduces, mostly as coupling**: training on positives alone raises "
         f"{100 * _mean(flips['GRPO-PositiveOnly'], 'boosted_negative'):.0f}% of the tokens of negative",
         f"  rollouts; \"shared tokens move less\" is mostly confidence: held fixed, the gap is {shrink:.1f}× smaller "
-        f"(95%: {shrink_low:.0f}–{shrink_high:.0f}×) and no effect (Holm p {_adjusted(SHARED, ('GRPO', 'equal confidence'))}).",
+        f"(95%: {shrink_low:.0f}–{shrink_high:.0f}×) and not distinguishable from 0 ({_claim(SHARED, ('GRPO', 'equal confidence'))}).",
         f"* **Batching plans did not help**: at μ = 4, 8 mini-batches, reward-balanced − shuffled {_signed(rb, 3)} ± {rb_half:.3f} "
-        f"(Holm p {_adjusted('E9 accuracy', pair('reward_balanced', 'shuffled'))}, no effect);",
-        f"  sorting by sign, its opposite, is within {points} points of it (TOST p {format_p(sorted_tost)}).",
+        f"({rb_claim});",
+        f"  sign-sorted (its opposite) − reward-balanced {_signed(opposite, 3)} ± {opposite_half:.3f} ({sorted_claim}).",
         *e10_readme_lines(results["E10"], results.get("E10C")),
         README_END,
     ]
@@ -175,39 +187,41 @@ P2, _, P2_MARGIN = E10_OUTCOMES[1]  # E10's preference drift: its key, label and
 
 def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
     """E10's bullet: the noise arm's and GRPO's preference drift (P2) with the verdicts of the pre-registered tests, and
-    E10-confirm's fresh seeds (``confirm``, its runs) with the replication verdict its pre-registration fixed."""
+    E10-confirm's fresh seeds (``confirm``, its runs) with the replication verdict its pre-registration fixed. The
+    headline names what E10 tested there: one of its two primary outcomes, with its Holm-adjusted p."""
     arms = {arm: seeds for (arm, _), seeds in runs.items()}
     base = finite_values(arms[BASE], P2)
     noise, noise_half, n = paired_difference(finite_values(arms["DFPOMin-SharedNoise"], P2), base)
-    noise_holm = FAMILIES.adjusted[PRIMARY][("DFPOMin-SharedNoise", P2)]
-    grpo_tost = FAMILIES.adjusted[PRIMARY_TOST][("GRPO", P2)]
+    grpo_values = paired_values(finite_values(arms["GRPO"], P2), base)
+    grpo_mean, grpo_half = mean_interval(grpo_values)
+    grpo_low = grpo_mean - mean_interval(grpo_values, 0.90)[1]  # the 90% interval TOST's verdict rests on
     shrink = _mean(arms["DFPOMin-SharedNoise"], "tax") / _mean(arms["GRPO"], "tax")
-    grpo = (f"stayed within ±{P2_MARGIN:.2f} of it (TOST; a margin as large as the noise arm's whole effect)" if grpo_tost < ALPHA
-            else "is inconclusive")
-    unseen = FAMILIES.adjusted[SENSITIVITY][("DFPOMin-SharedNoise", P2)]
+    drift = (f"E10's preference drift (Holm p {format_p(FAMILIES.adjusted[PRIMARY][('DFPOMin-SharedNoise', P2)])}, one of two "
+             "primary outcomes)")
     e10 = (f"E10 ({n} seeds): {_signed(noise, 3)} ± {noise_half:.3f} nats of the entropy of the preference among equivalent "
-           f"solutions\n  (Holm p {format_p(noise_holm)}, one of two primary outcomes; seeds the pilot did not see, alone: Holm p "
-           f"{format_p(unseen)})")
+           f"solutions\n  ({_claim(PRIMARY, ('DFPOMin-SharedNoise', P2))}; seeds the pilot did not see, alone: "
+           f"{_claim(SENSITIVITY, ('DFPOMin-SharedNoise', P2))})")
+    grpo = (f"GRPO's tax, {shrink:.0f}× smaller, on the same outcome: {_signed(grpo_mean, 3)} ± {grpo_half:.3f} "
+            f"({_claim(PRIMARY, ('GRPO', P2), margin=P2_MARGIN, equivalence_family=PRIMARY_TOST)}), a margin as large as "
+            f"the noise arm's whole drift: GRPO's 90% interval reaches {_signed(grpo_low, 3)}, {grpo_low / noise:.0%} of it.")
     if not confirm:
-        headline = "moved the preference in E10, at Holm's edge" if noise_holm < ALPHA else "did not measurably drift the policy"
-        return [f"* **Zero-mean credit on shared, uncertain tokens {headline}** (forced branching, pre-registered):",
-                f"  {e10};", f"  GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
+        return [f"* **Zero-mean credit on shared, uncertain tokens: {drift}** (forced branching, pre-registered):",
+                f"  {e10};", f"  {grpo}"]
     confirmed = {arm: seeds for (arm, _), seeds in confirm.items()}
     a, b = finite_values(confirmed.get("DFPOMin-SharedNoise", {}), P2), finite_values(confirmed.get(BASE, {}), P2)
     again, again_half, again_n = paired_difference(a, b)
-    p = paired_t_test(a, b)[1]
-    call = confirm_verdict(p, tost(paired_values(a, b), P2_MARGIN)[0], again, P2_MARGIN, predicted=-1)
-    replicated = call == "effect, the predicted direction"
+    p, p_tost = paired_t_test(a, b)[1], tost(paired_values(a, b), P2_MARGIN)[0]
+    replicated = confirm_verdict(p, p_tost, again, P2_MARGIN, predicted=-1) == "effect, the predicted direction"
     p1 = E10_OUTCOMES[0][0]
     kl_a, kl_b = finite_values(confirmed.get("DFPOMin-SharedNoise", {}), p1), finite_values(confirmed.get(BASE, {}), p1)
     kl, kl_half, _ = paired_difference(kl_a, kl_b)
-    headline = ("moved the preference, and fresh seeds replicated it" if replicated
-                else "moved the preference in E10; fresh seeds did not replicate it")
-    return [f"* **Zero-mean credit on shared, uncertain tokens {headline}** (forced branching, pre-registered):",
+    headline = f"{drift} {'replicated' if replicated else 'did not replicate'} on fresh seeds"
+    return [f"* **Zero-mean credit on shared, uncertain tokens: {headline}** (forced branching, pre-registered):",
             f"  {e10};",
-            f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} (p {format_p(p)}, {call}); "
-            f"its secondary, the KL at the shared contexts, {_signed(kl, 3)} ± {kl_half:.3f} (p {format_p(paired_t_test(kl_a, kl_b)[1])});",
-            f"  GRPO's tax, {shrink:.0f}× smaller, {grpo}."]
+            f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} "
+            f"({_claim(None, (), p, P2_MARGIN, p_tost)}); its secondary, the KL at the shared contexts, {_signed(kl, 3)} ± "
+            f"{kl_half:.3f} ({_claim(None, (), paired_t_test(kl_a, kl_b)[1])});",
+            f"  {grpo}"]
 
 
 def _signed(value: float, digits: int) -> str:

@@ -6,10 +6,8 @@ import math
 
 from lab.cells import (
     EQUIVALENCE_MARGIN,
-    RELEVANT_ACCURACY,
     accuracy_difference,
     cell,
-    described,
     difference,
     equivalence,
     format_interval,
@@ -20,7 +18,7 @@ from lab.cells import (
 )
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, E7_TRUST_REGIONS, STUDY
 from lab.sections_e10 import e10_confirm_section, e10_section
-from lab.stats import mean_interval, t_test
+from lab.stats import mean_interval
 from lab.summaries import (
     BINNED_SPLITS,
     CONFIDENCE_BINS,
@@ -98,12 +96,10 @@ def e2_section(runs: dict) -> list[str]:
                 gaps["spread"].append((spread, gap))
     pooled = [gap for _, gap in gaps["scaffold"]]
     if pooled:
-        mean, half = mean_interval(pooled)
-        _, p = t_test(pooled)
         as_pairs = {index: {"val_end": gap} for index, gap in enumerate(pooled)}
         zero = {index: {"val_end": 0.0} for index in range(len(pooled))}
         lines += ["", f"Pooled over the {len(pooled)} paired runs of all settings, DFPOMin − GRPO final accuracy: "
-                  f"{described(mean, half, len(pooled), relevant=RELEVANT_ACCURACY, p=p, family='E2 accuracy', comparison=('pooled',))} "
+                  f"{accuracy_difference(as_pairs, zero, 'E2 accuracy', ('pooled',))} "
                   "(the runs of one seed share nothing across settings but the seed, so they are treated as independent pairs). "
                   f"Equivalence within ±{EQUIVALENCE_MARGIN:g}: {equivalence(as_pairs, zero)}."]
     trends = (("the paired gap (DFPOMin − GRPO final accuracy)", gaps, "paired runs", 3, "E2 accuracy"),
@@ -113,8 +109,7 @@ def e2_section(runs: dict) -> list[str]:
             continue
         lines += ["", f"Trend of {title} over all settings and seeds, least-squares slope:", ""]
         for knob, unit in (("scaffold", "per 10 scaffold characters"), ("spread", "per 4 spread characters per step")):
-            slope, call = trend(points[knob], 10 if knob == "scaffold" else 4, digits, RELEVANT_ACCURACY if digits == 3 else None,
-                                family, ("slope", knob))
+            slope, call = trend(points[knob], 10 if knob == "scaffold" else 4, digits, family, ("slope", knob))
             lines.append(f"* {knob}: {slope} {unit} ({call}, {len(points[knob])} {unit_of_runs})")
     return lines
 
@@ -179,7 +174,7 @@ def e5_section(runs: dict) -> list[str]:
             gaps[baseline] += [(math.log2(group), dfpo[s]["val_end"] - other[s]["val_end"]) for s in set(dfpo) & set(other)]
     lines += ["", "Trend of the paired gap over G, least-squares slope per doubling of G:", ""]
     for baseline, points in gaps.items():
-        slope, call = trend(points, relevant=RELEVANT_ACCURACY, family="E5 accuracy", comparison=("slope", baseline))
+        slope, call = trend(points, family="E5 accuracy", comparison=("slope", baseline))
         lines.append(f"* DFPOMin − {baseline}: {slope} per doubling ({call}, {len(points)} paired runs)")
     return lines
 
@@ -265,7 +260,7 @@ def e8_section(runs: dict) -> list[str]:
         name = (arm,)
         lines.append(f"| `{arm}` − `DFPOMin` | {difference(seeds, base, 'tax', 4, family='E8 learning tax', comparison=name)} "
                      f"| {difference(seeds, base, 'shared_kl', 5, family='E8 shared-context KL', comparison=name)} "
-                     f"| {difference(seeds, base, 'scaffold_exact_end', relevant=RELEVANT_ACCURACY, family='E8 exact scaffold', comparison=name)} "  # noqa: E501
+                     f"| {difference(seeds, base, 'scaffold_exact_end', family='E8 exact scaffold', comparison=name)} "
                      f"| {difference(seeds, base, 'preference_entropy', family='E8 preference entropy', comparison=name)} "
                      f"| {accuracy_difference(seeds, base, 'E8 accuracy', name)} |")
     return lines

@@ -13,7 +13,6 @@ from lab.cells import (
     EQUIVALENCE_MARGIN,
     FAMILIES,
     MIN_SEEDS,
-    RELEVANT_ACCURACY,
     accuracy_difference,
     cell,
     difference,
@@ -25,6 +24,7 @@ from lab.cells import (
 from lab.runs import E10_SEEDS, E10_SETTING, E10C_ARMS, E10C_SEEDS, WALL_CLOCK, compare_scalars, without_timings
 from lab.stats import (
     ALPHA,
+    equivalent,
     mean_interval,
     minimal_detectable_effect,
     paired_difference,
@@ -33,6 +33,7 @@ from lab.stats import (
     sign_test,
     t_quantile,
     tost,
+    verdict,
 )
 from lab.summaries import at_matched_movement, matched_movement
 
@@ -110,8 +111,8 @@ def _measured_at(arms: dict[str, dict[int, dict]]) -> str:
 def _primary_row(arm: str, runs: dict[int, dict], base: dict[int, dict], key: str, margin: float, seeds: str,
                  family: str, tost_family: str) -> str:
     """One primary comparison: the paired difference, its raw and Holm p, TOST (Holm over its own family), MDE at
-    alpha 0.05 and at Holm's strictest alpha / 4, and the pre-registered verdict: "effect" where the Holm-adjusted p is
-    below 0.05, "no difference larger than ±margin" where the Holm-adjusted TOST p is, otherwise "inconclusive"."""
+    alpha 0.05 and at Holm's strictest alpha / 4 (effects included), and the pre-registered verdict, which is
+    :func:`lab.stats.verdict` on the Holm-adjusted p and TOST p (inconclusive below 5 pairs)."""
     a, b = finite_values(runs, key), finite_values(base, key)
     mean, half, n = paired_difference(a, b)
     _, p, _ = paired_t_test(a, b)
@@ -121,26 +122,17 @@ def _primary_row(arm: str, runs: dict[int, dict], base: dict[int, dict], key: st
     holm_p = FAMILIES.adjust(family, comparison, p)
     holm_tost = FAMILIES.adjust(tost_family, comparison, p_tost)
     if n < 2 or math.isnan(half):
-        call, equivalent = "n/a", "–"
+        call, within, detectable = "n/a", "–", "–"
     else:
-        equivalent = f"within ±{margin:.2f}" if holm_tost < ALPHA else "not shown"
-        if n < MIN_SEEDS:
-            call = "inconclusive"
-        elif holm_p < ALPHA:
-            call = "effect"
-        else:
-            call = f"no difference larger than {margin:.2f}" if holm_tost < ALPHA else "inconclusive"
-    mde = minimal_detectable_effect(half, n)
-    if n >= 2 and not math.isnan(half):
+        within = f"within ±{margin:.2f}" if holm_tost < ALPHA else "not shown"
+        call = verdict(holm_p, holm_tost, margin) if n >= MIN_SEEDS else "inconclusive"
         strict = 1 - ALPHA / HOLM_TESTS
         se = half / t_quantile(0.975, n - 1)
         mde_holm = minimal_detectable_effect(se * t_quantile(0.5 + strict / 2, n - 1), n, strict)
-        detectable = "–" if call == "effect" else f"{mde:.3f} / {mde_holm:.3f}"
-    else:
-        detectable = "–"
+        detectable = f"{minimal_detectable_effect(half, n):.3f} / {mde_holm:.3f}"
     equivalence_p = "–" if math.isnan(p_tost) else f"{format_p(p_tost)}, Holm {format_p(holm_tost)}"
     return (f"| {seeds} | {n} | {format_interval(mean, half)} | {format_p(p)} | {format_p(holm_p)} "
-            f"| {equivalence_p} | {equivalent} | {detectable} | **{call}** |")
+            f"| {equivalence_p} | {within} | {detectable} | **{call}** |")
 
 
 def _primary_table(arms: dict[str, dict[int, dict]]) -> list[str]:
@@ -165,25 +157,25 @@ def _secondary_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
         runs, name = arms.get(arm, {}), (arm,)
         tests = (f"| `{arm}` − `{BASE}` | {difference(runs, base, 'tax', 4, family=F2, comparison=name)} "
                  f"| {difference(runs, base, 'shared_kl', 5, family=F3, comparison=name)} "
-                 f"| {accuracy_difference(runs, base, F4, name)} |")
+                 f"| {accuracy_difference(runs, base, F4, name, F4_TOST)} |")
         differences = paired_values(finite_values(runs, "val_end"), finite_values(base, "val_end"))
         p_tost, lower, upper = tost(differences, EQUIVALENCE_MARGIN) if len(differences) >= 2 else (math.nan,) * 3
         holm_tost = FAMILIES.adjust(F4_TOST, name, p_tost)
         if len(differences) < 2:
-            equivalent = "–"
+            shown = "–"
         else:
-            call = f"no difference larger than {EQUIVALENCE_MARGIN:g}" if holm_tost < ALPHA else "inconclusive"
-            equivalent = (f"TOST p {format_p(p_tost)}, Holm {format_p(holm_tost)} (p of > −{EQUIVALENCE_MARGIN:g}: "
+            call = equivalent(EQUIVALENCE_MARGIN) if holm_tost < ALPHA else "inconclusive"
+            shown = (f"TOST p {format_p(p_tost)}, Holm {format_p(holm_tost)} (p of > −{EQUIVALENCE_MARGIN:g}: "
                           f"{format_p(lower)}, of < +{EQUIVALENCE_MARGIN:g}: {format_p(upper)}): **{call}** (n={len(differences)})")
-        lines.append(f"{tests} {equivalent} |")
-    lines += ["", "F5, the 10-seed arms paired with `DFPOMin` on seeds 0–9 (one family of 6; a null whose MDE is above the "
-              "primary margin, ±0.05 on P1 and ±0.10 on P2, is inconclusive):", "",
+        lines.append(f"{tests} {shown} |")
+    lines += ["", "F5, the 10-seed arms paired with `DFPOMin` on seeds 0–9 (one family of 6; TOST within the primary "
+              "margins, ±0.05 on P1 and ±0.10 on P2, per comparison):", "",
               "| arm | seeds | P1: KL from start | P1 − `DFPOMin` (paired) | P2: preference entropy (end) | P2 − `DFPOMin` (paired) |",
               "|---|---|---|---|---|---|"]
     for arm in TEN_SEED_ARMS:
         runs = arms.get(arm, {})
         ten = {seed: run for seed, run in base.items() if seed < E10_SEEDS[arm]}
-        cells = [f"{cell(runs, key)} | {difference(runs, ten, key, relevant=margin, family=F5, comparison=(arm, key))}"
+        cells = [f"{cell(runs, key)} | {difference(runs, ten, key, family=F5, comparison=(arm, key), margin=margin)}"
                  for key, _, margin in OUTCOMES]
         lines.append(f"| `{arm}` | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
@@ -265,8 +257,8 @@ def e10_section(runs: dict) -> list[str]:
                                  "on the Holm-adjusted TOST p, and a comparison that is neither is inconclusive (as is any with "
                                  f"fewer than {MIN_SEEDS} pairs). Each comparison is shown on all seeds and on seeds 3–29, which "
                                  "the pilot did not see (a family of its own, adjusted the same way).", ""]
-    lines += _primary_table(arms) + ["", "Secondary families, each Holm-adjusted separately (F2, F3, F4 on all paired seeds; a "
-                                         f"null on accuracy is inconclusive when its MDE is above {RELEVANT_ACCURACY:g}):", ""]
+    lines += _primary_table(arms) + ["", "Secondary families, each Holm-adjusted separately (F2, F3, F4 on all paired seeds; "
+                                         "F4's TOST p-values Holm-adjusted as a family of their own):", ""]
     lines += _secondary_lines(arms) + ["", _identity_line(arms), ""] + _untested_lines(arms)
     return lines
 
@@ -278,11 +270,13 @@ CONFIRM_OUTCOMES = (("preference_entropy", "P2: preference entropy (end)", 0.10,
 
 
 def confirm_verdict(p: float, p_tost: float, mean: float, margin: float, predicted: int) -> str:
-    """E10-confirm's pre-registered rule: an effect (its direction, and whether it is the predicted one) where p < 0.05;
-    else no difference larger than the margin where TOST rejects at 0.05; else inconclusive."""
-    if p < ALPHA:
-        return "effect, the predicted direction" if mean * predicted > 0 else "effect, against the predicted direction"
-    return f"no difference larger than {margin:.2f}" if p_tost < ALPHA else "inconclusive"
+    """E10-confirm's pre-registered rule, :func:`lab.stats.verdict` on one test: an effect (its direction, and whether it
+    is the predicted one) where p < 0.05; else no difference larger than the margin where TOST rejects at 0.05; else
+    inconclusive."""
+    call = verdict(p, p_tost, margin)
+    if call != "effect":
+        return call
+    return "effect, the predicted direction" if mean * predicted > 0 else "effect, against the predicted direction"
 
 
 def _confirm_row(noise: dict[int, dict], base: dict[int, dict], key: str, label: str, margin: float, predicted: int,

@@ -6,11 +6,12 @@ Every test is over seeds, paired where two arms share a seed:
 * :func:`t_test`, :func:`paired_t_test`: the two-sided one-sample / paired t-test's p-value;
 * :func:`holm`: Holm's step-down adjusted p-values over a family of tests;
 * :func:`tost`: the paired equivalence test (two one-sided t-tests with a margin);
-* :func:`minimal_detectable_effect`: what a null could have seen (80% power);
+* :func:`minimal_detectable_effect`: the smallest true difference a test finds with 80% power;
 * :func:`slope_interval`: a least-squares slope with its t-interval and p-value;
-* :func:`fieller_interval`, :func:`bootstrap_ratio_interval`: intervals for a ratio of paired means.
+* :func:`fieller_interval`, :func:`bootstrap_ratio_interval`: intervals for a ratio of paired means;
+* :func:`verdict`: the report's one rule from a test's p, and an equivalence test's where a margin was stated.
 
-tests/test_experiments_stats.py compares each of them with scipy.stats on fixed inputs.
+tests/study/test_experiments_stats.py compares each of them with scipy.stats on fixed inputs.
 """
 
 import math
@@ -269,16 +270,20 @@ def bootstrap_ratio_interval(
 ALPHA = 0.05
 
 
-def verdict(mean: float, half: float, mde: float = math.nan, relevant: float | None = None, p: float | None = None) -> str:
-    """"effect" when the test rejects: when ``p`` (Holm-adjusted, if given) is below 0.05, else when the interval
-    excludes 0; otherwise "null", or "inconclusive" when the minimal detectable effect ``mde`` is above the smallest
-    ``relevant`` difference; "n/a" without an interval."""
-    if math.isnan(half):
+def equivalent(margin: float) -> str:
+    """The verdict where equivalence is shown: "no difference larger than ``margin``"."""
+    return f"no difference larger than {margin:.2f}"
+
+
+def verdict(p: float, p_equivalence: float = math.nan, margin: float | None = None) -> str:
+    """The report's one rule. "effect" where the test rejects at 0.05 (``p``: Holm-adjusted where a family applies);
+    otherwise "no difference larger than ``margin``" only where a margin was stated before the test and the equivalence
+    test rejects at 0.05 (``p_equivalence``: TOST, adjusted where its family is); otherwise "inconclusive". A comparison
+    without a stated margin is never called a null. "n/a" without a test."""
+    if math.isnan(p):
         return "n/a"
-    if p is not None and not math.isnan(p):
-        rejected = p < ALPHA
-    else:
-        rejected = abs(mean) > half
-    if rejected:
+    if p < ALPHA:
         return "effect"
-    return "inconclusive" if relevant is not None and not mde <= relevant else "null"
+    if margin is not None and p_equivalence < ALPHA:
+        return equivalent(margin)
+    return "inconclusive"

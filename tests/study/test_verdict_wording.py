@@ -1,0 +1,265 @@
+"""Every verdict docs/experiments.md's generated part and README.md's experiment bullets print follows, by the rule stated
+at the top of docs/experiments.md, from the numbers printed beside it, and every comparison prints its MDE.
+
+The rule, re-implemented here from the docs rather than imported: "effect" where the test (Holm-adjusted where a
+family applies) rejects at 0.05; "no difference larger than m" only where a margin m was stated for the outcome and
+TOST rejects at 0.05 (the 90% interval inside ±m); otherwise "inconclusive" (and so below 5 pairs). The checks read the
+text only, so they hold whatever code wrote it, and they fail on the labels the rule replaced (E9's old "null").
+"""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC, README = ROOT / "docs" / "experiments.md", ROOT / "README.md"
+ALPHA, MIN_SEEDS = 0.05, 5
+P = r"<?[\d.]+"  # a printed p: 0.0093, 0.22, <0.001
+INTERVAL = r"(?P<interval>–|-?\d+\.\d+(?: ± \d+\.\d+)?)"
+CELL = re.compile(INTERVAL + r" \((?P<verdict>[^;()]+)(?P<fields>(?:; [^;()]+)*); n=(?P<n>\d+)\)")
+TREND = re.compile(INTERVAL + r" per [^()]+\((?P<verdict>[^;()]+)(?P<fields>(?:; [^;()]+?)*), \d+ (?:paired|GRPO) runs\)")
+TOST_LINE = re.compile(rf"TOST p (?P<p>{P})(?:, Holm (?P<holm>{P}))? \(p of > −(?P<margin>[\d.]+): {P}, of < \+[\d.]+: {P}\): "
+                       r"\*\*(?P<verdict>[^*]+)\*\* \(n=(?P<n>\d+)\)")
+FRAGMENT = re.compile(rf"(?:Holm )?p (?P<p>{P})(?:, TOST ±(?P<margin>[\d.]+) (?:Holm )?p (?P<tost>{P}))?: (?P<verdict>[a-z][^;),]*)")
+CELL_VERDICT = re.compile(r"\((?:effect|inconclusive|n/a|nulls?|no effect|no difference larger than [\d.]+)[;,]")
+BOLD_VERDICT = re.compile(r"\*\*(?:effect[^*]*|inconclusive|n/a|nulls?|no effect|no difference larger than [\d.]+)\*\*")
+README_WORDS = re.compile(r"\beffects?\b|\bnulls?\b|\bequivalent\b(?! solutions)|no difference larger than")
+PREDICTED = {"P1": 1, "P2": -1}  # E10-confirm's pre-registration: noise − untouched > 0 on P1, < 0 on P2
+
+
+def printed_p(text: str) -> float:
+    """A printed p as a number; one that prints as 0.05 cannot say on which side of 0.05 it lies."""
+    if text == "0.05":
+        raise ValueError("a p printed as 0.05 is ambiguous at two significant digits")
+    return 0.0 if text.startswith("<") else float(text)
+
+
+def rule(p: float, n: int, margin: float | None = None, p_tost: float = math.nan) -> str:
+    """The verdict the docs' rule gives a comparison of ``n`` pairs with test p ``p`` and, where a margin was stated,
+    equivalence p ``p_tost``."""
+    if n < MIN_SEEDS:
+        return "inconclusive"
+    if p < ALPHA:
+        return "effect"
+    if margin is not None and p_tost < ALPHA:
+        return f"no difference larger than {margin:.2f}"
+    return "inconclusive"
+
+
+def interval(text: str) -> tuple[float, float, int]:
+    """``(mean, half, decimals)`` of a printed ``mean ± half``."""
+    mean, half = text.split(" ± ")
+    return float(mean), float(half), len(mean.split(".")[1])
+
+
+def equivalence_problem(text: str, n: int, margin: float, p_tost: float) -> str | None:
+    """Where the printed interval decides it beyond rounding: the raw TOST rejects exactly when the 90% interval lies
+    inside ±margin."""
+    mean, half, decimals = interval(text)
+    reach = abs(mean) + half * stats.t.ppf(0.95, n - 1) / stats.t.ppf(0.975, n - 1)
+    if abs(reach - margin) > 10.0**-decimals and (reach < margin) != (p_tost < ALPHA):
+        return f"{text}: the 90% interval reaches {reach:.4f} against ±{margin}, but TOST p is {p_tost}"
+    return None
+
+
+def mde_problem(text: str, n: int, mde: float) -> str | None:
+    """The printed MDE is the 80%-power one of the printed interval, up to rounding."""
+    mean, half, decimals = interval(text)
+    expected = half * (stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) / stats.t.ppf(0.975, n - 1)
+    if abs(mde - expected) > 1.5 * 10.0**-decimals:
+        return f"{text}: MDE {mde}, but the interval gives {expected:.4f}"
+    return None
+
+
+def fields(text: str) -> dict[str, str]:
+    """A cell's ``; p X, Holm Y; TOST ±m p Z, Holm W; MDE M`` fields by name."""
+    found = {}
+    for part in filter(None, text.split("; ")):
+        if part.startswith("p "):
+            raw, _, holm = part[2:].partition(", Holm ")
+            found |= {"p": raw} | ({"holm": holm} if holm else {})
+        elif part.startswith("TOST ±"):
+            margin, _, rest = part[6:].partition(" p ")
+            raw, _, holm = rest.partition(", Holm ")
+            found |= {"margin": margin, "tost": raw} | ({"tost_holm": holm} if holm else {})
+        elif part.startswith("MDE "):
+            found["mde"] = part[4:]
+    return found
+
+
+def cell_problems(match: re.Match, trend: bool = False) -> list[str]:
+    """What is wrong with one comparison cell (or trend line): its verdict against the rule, its TOST against its
+    interval, and its MDE (present, and the one of its interval; for a trend, present)."""
+    text, found = match.group(0), fields(match.group("fields"))
+    n = 10**6 if trend else int(match.group("n"))  # a trend's seeds are not printed; every trend has 5 or more
+    has_interval = "±" in match.group("interval")
+    problems = []
+    if not has_interval:
+        return [] if match.group("verdict") in ("inconclusive", "n/a") and "p" not in found else [f"{text}: a verdict without an interval"]
+    try:
+        p = printed_p(found.get("holm", found.get("p", "nan")))
+        margin = float(found["margin"]) if "margin" in found else None
+        p_tost = printed_p(found.get("tost_holm", found.get("tost", "nan")))
+    except ValueError as error:
+        return [f"{text}: {error}"]
+    expected = rule(p, n, margin, p_tost)
+    if match.group("verdict") != expected:
+        problems.append(f"{text}: says {match.group('verdict')!r}, the rule gives {expected!r}")
+    if margin is not None and not trend:
+        problems.append(equivalence_problem(match.group("interval"), n, margin, printed_p(found["tost"])))
+    if "mde" not in found:
+        problems.append(f"{text}: no MDE")
+    elif not trend:
+        problems.append(mde_problem(match.group("interval"), n, float(found["mde"])))
+    return [problem for problem in problems if problem]
+
+
+def tost_line_problems(match: re.Match) -> list[str]:
+    """A TOST sentence: "no difference larger than m" exactly where its (Holm-adjusted, if given) TOST p is below 0.05."""
+    p = printed_p(match.group("holm") or match.group("p"))
+    expected = rule(1.0, int(match.group("n")), float(match.group("margin")), p)
+    return [] if match.group("verdict") == expected else [f"{match.group(0)}: the rule gives {expected!r}"]
+
+
+def columns(line: str) -> list[str]:
+    return [column.strip() for column in line.strip().strip("|").split("|")]
+
+
+def e10_row_problems(line: str) -> list[str]:
+    """A row of E10's primary table: verdict from the Holm p and the Holm-adjusted TOST p, the equivalence column from
+    the latter, the raw TOST against the interval, the MDE (α 0.05) present and the one of the interval."""
+    label, _, _, n, difference, _, holm, tost, equivalent, mde, verdict = columns(line)
+    if difference == "–":
+        return [] if verdict == "**n/a**" else [f"{line}: a verdict without pairs"]
+    margin = float(re.search(r"\(±([\d.]+)\)", label).group(1))
+    raw_tost, holm_tost = (printed_p(p) for p in tost.split(", Holm "))
+    expected = rule(printed_p(holm), int(n), margin, holm_tost)
+    problems = [] if verdict == f"**{expected}**" else [f"{line}: the rule gives {expected!r}"]
+    if equivalent != (f"within ±{margin:.2f}" if holm_tost < ALPHA else "not shown"):
+        problems.append(f"{line}: the equivalence column does not follow the Holm-adjusted TOST p")
+    first_mde = mde.split(" / ")[0]
+    if not re.fullmatch(r"\d+\.\d+", first_mde):
+        return problems + [f"{line}: no MDE"]
+    return [p for p in problems + [equivalence_problem(difference, int(n), margin, raw_tost),
+                                   mde_problem(difference, int(n), float(first_mde))] if p]
+
+
+def e10_confirm_row_problems(line: str) -> list[str]:
+    """A row of E10-confirm's table: its pre-registered verdict (the rule on one test, the effect's direction named)."""
+    label, _, n, difference, _, mde, p, tost, _, verdict = columns(line)
+    margin = float(re.search(r"\(±([\d.]+)\)", tost).group(1))
+    raw_tost = printed_p(tost.split(" ")[0])
+    expected = rule(printed_p(p), int(n), margin, raw_tost)
+    if expected == "effect":
+        predicted = float(difference.split(" ± ")[0]) * PREDICTED[label[:2]] > 0
+        expected += ", the predicted direction" if predicted else ", against the predicted direction"
+    problems = [] if verdict == f"**{expected}**" else [f"{line}: the rule gives {expected!r}"]
+    return [p for p in problems + [equivalence_problem(difference, int(n), margin, raw_tost),
+                                   mde_problem(difference, int(n), float(mde))] if p]
+
+
+def replication_problems(text: str, confirm_rows: list[str]) -> list[str]:
+    """E10-confirm's replication line follows its P2 verdict (the pre-registered rule: replicated only as an effect in
+    the predicted direction)."""
+    p2 = [columns(line)[-1] for line in confirm_rows if line.startswith("| P2: ")]
+    replicated = p2 == ["**effect, the predicted direction**"]
+    return [f"{line}: does not follow E10-confirm's P2 verdict" for line in text.splitlines()
+            if line.startswith("**Replication of E10's P2 effect")
+            and not line.endswith(f": {'replicated' if replicated else 'not replicated'}.**")]
+
+
+def generated_problems(text: str) -> tuple[list[str], int]:
+    """Every problem in a generated part, and how many verdicts were checked; a verdict the parsers miss is a problem."""
+    cells = [(match, False) for match in CELL.finditer(text)] + [(match, True) for match in TREND.finditer(text)]
+    tost_lines = list(TOST_LINE.finditer(text))
+    rows = [line for line in text.splitlines() if line.startswith(("| P1: ", "| P2: "))]
+    primary = [line for line in rows if len(columns(line)) == 11]  # E10-confirm's rows have 10 columns
+    confirm = [line for line in rows if line not in primary]
+    problems = [problem for match, trend in cells for problem in cell_problems(match, trend)]
+    problems += [problem for match in tost_lines for problem in tost_line_problems(match)]
+    problems += [problem for line in primary for problem in e10_row_problems(line)]
+    problems += [problem for line in confirm for problem in e10_confirm_row_problems(line)]
+    problems += replication_problems(text, confirm)
+    unparsed = len(CELL_VERDICT.findall(text)) - len(cells) + len(BOLD_VERDICT.findall(text)) - len(tost_lines) - len(rows)
+    if unparsed:
+        problems.append(f"{unparsed} verdicts in a form the checks do not read")
+    return problems, len(cells) + len(tost_lines) + len(rows)
+
+
+def readme_problems(text: str) -> tuple[list[str], int]:
+    """Every problem in README.md's generated bullets: each claim's ``Holm p X, TOST ±m p Y: verdict`` against the
+    rule, and every verdict word inside such a claim."""
+    problems, checked = [], 0
+    for line in text.splitlines():
+        spans = []
+        for match in FRAGMENT.finditer(line):
+            spans.append(match.span())
+            checked += 1
+            try:
+                margin = float(match.group("margin")) if match.group("margin") else None
+                expected = rule(printed_p(match.group("p")), MIN_SEEDS, margin,
+                                printed_p(match.group("tost")) if margin is not None else math.nan)
+            except ValueError as error:
+                problems.append(f"{match.group(0)}: {error}")
+                continue
+            if match.group("verdict") != expected:
+                problems.append(f"{match.group(0)}: the rule gives {expected!r}")
+        for word in README_WORDS.finditer(line):
+            if not any(start <= word.start() < end for start, end in spans):
+                problems.append(f"{line.strip()[:80]}…: {word.group(0)!r} outside a claim with its tests")
+    return problems, checked
+
+
+def between(text: str, begin: str, end: str) -> str:
+    return text[text.index(begin) : text.index(end)]
+
+
+@pytest.fixture(scope="module")
+def generated() -> str:
+    return between(DOC.read_text(), "<!-- generated by benchmarks/study/experiments.py", "<!-- end of generated part -->")
+
+
+@pytest.fixture(scope="module")
+def bullets() -> str:
+    return between(README.read_text(), "<!-- generated from the experiment JSON", "<!-- end of generated numbers -->")
+
+
+def test_every_generated_verdict_follows_from_its_row(generated):
+    problems, checked = generated_problems(generated)
+    assert not problems, "\n".join(problems)
+    assert checked > 100  # every table of E1–E10 and E10-confirm (155 verdicts in round 4)
+
+
+def test_every_readme_verdict_follows_from_its_tests(bullets):
+    problems, checked = readme_problems(bullets)
+    assert not problems, "\n".join(problems)
+    assert checked >= 10
+
+
+def test_no_comparison_is_called_a_null(generated, bullets):
+    assert not re.search(r"\bnulls?\b|\bno effect\b", generated + bullets)
+
+
+# the labels the rule replaced, as the report printed them before round 4: each check must catch its own
+OLD_E9_CELL = "-0.028 ± 0.027 (null; p 0.044, Holm 0.22; MDE 0.037; n=10)"  # interval excludes 0, reaches −0.055
+OLD_EFFECT_CELL = "0.110 ± 0.021 (effect; p <0.001, Holm <0.001; n=5)"  # an effect that printed no MDE
+OLD_E10_ROW = ("| P2: preference entropy (end) (±0.10) | `DFPOMin-SharedNoise` − `DFPOMin` | all | 30 | -0.100 ± 0.075 | 0.011 "
+               "| 0.042 | 0.50, Holm 1.00 | not shown | – | **effect** |")
+OLD_README = "reward-balanced − shuffled −0.028 ± 0.027 (Holm p 0.22, no effect);"
+
+
+@pytest.mark.parametrize("text", [OLD_E9_CELL, OLD_EFFECT_CELL, OLD_E10_ROW])
+def test_the_checks_catch_the_labels_the_rule_replaced(text):
+    problems, _ = generated_problems(text)
+    assert problems
+
+
+def test_the_checks_catch_a_claim_with_the_wrong_verdict():
+    assert readme_problems(OLD_README)[0]
+    assert readme_problems("(Holm p 0.22, TOST ±0.04 p 0.17: no difference larger than 0.04)")[0]
+    assert not readme_problems("(Holm p 0.22, TOST ±0.04 p 0.17: inconclusive)")[0]
+    wrong = "-0.028 ± 0.027 (no difference larger than 0.04; p 0.044, Holm 0.22; TOST ±0.04 p 0.012; MDE 0.037; n=10)"
+    assert any("90% interval" in problem for problem in generated_problems(wrong)[0])  # its interval reaches −0.050
