@@ -46,7 +46,14 @@ class TaskDataModule(L.LightningDataModule):
         return encode_prompts(self.tokenizer, records)
 
     def drift_probes(self, count: int) -> list[dict]:
-        """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``."""
+        """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``;
+        ValueError for an agent task, whose solutions are episodes with the environment's replies in them."""
+        if isinstance(self.task, AgentTask):
+            raise ValueError(
+                f"SolutionProbabilityDriftMonitor scores each solution as one completion, but {type(self.task).__name__}'s "
+                "are episodes whose environment replies it would score too: leave the monitor out of an agent run, or give "
+                "it probes=[...] of your own"
+            )
         return [{"prompt": r["prompt"], "solutions": self.task.solutions(r)} for r in self.task.val_records()[:count]]
 
     def val_dataloader(self) -> DataLoader:

@@ -92,3 +92,8 @@ def test_an_engine_that_samples_ahead_is_refused_for_an_agent_task():
                         enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="ToolAdditionTask runs episodes turn by turn.*max_staleness=1"):
         trainer.fit(module, datamodule=data)
+
+
+def test_drift_probes_are_refused_for_an_agent_task_whose_solutions_hold_replies():
+    with pytest.raises(ValueError, match="SolutionProbabilityDriftMonitor scores each solution as one completion"):
+        RolloutDataModule(long_addition()).drift_probes(4)
