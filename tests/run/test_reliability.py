@@ -2,6 +2,7 @@
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from functools import partial
@@ -194,6 +195,8 @@ def test_ctrl_c_writes_last_ckpt_and_resuming_gives_the_uninterrupted_parameters
     interrupted = subprocess.run(
         command + quick_args(tmp_path / "a", 5, "--trainer.callbacks+=interrupt.InterruptAtStep3"),
         env=environment, capture_output=True, text=True, cwd=tmp_path,
+        # Ctrl-C raises KeyboardInterrupt in the child even where this process ignores SIGINT (a shell's background job)
+        preexec_fn=partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     )
     checkpoint = tmp_path / "a" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
     assert interrupted.returncode == 130, interrupted.stderr[-2000:]  # 128 + SIGINT, as a shell reports Ctrl-C
