@@ -134,7 +134,19 @@ def test_ctrl_c_before_the_run_starts_says_there_is_nothing_to_resume(tmp_path, 
 
 def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path):
     """SIGINT while torch and Lightning are imported, before any of the command runs: the documented line, exit 130."""
-    script = "import sys; from lit_cancel.run import console; print('loading', flush=True); sys.argv = ['lit-cancel', 'fit', '--help']; console.main()"
+    # 'loading' is printed as console.main starts importing the command line, inside the block that must catch Ctrl-C
+    script = (
+        "import builtins, sys\n"
+        "from lit_cancel.run import console\n"
+        "load = builtins.__import__\n"
+        "def announced(name, *args, **kwargs):\n"
+        "    if name == 'lit_cancel.run.commands':\n"
+        "        print('loading', flush=True)\n"
+        "    return load(name, *args, **kwargs)\n"
+        "builtins.__import__ = announced\n"
+        "sys.argv = ['lit-cancel', 'fit', '--help']\n"
+        "console.main()\n"
+    )
     environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
     run = subprocess.Popen([sys.executable, "-c", script], env=environment, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, preexec_fn=default_interrupt)
