@@ -92,3 +92,12 @@ def step_episode(environment: Environment, action: str, turn: int, where: str) -
             f"{name}.step returned {type(observation).__name__} at turn {turn} of {where}; it must return an Observation"
         )
     return observation
+
+
+def episode_reward(environment: Environment, where: str) -> object:
+    """``environment.reward()`` of the finished episode; one that raises becomes :class:`EnvironmentFailure` naming
+    ``where`` (the value itself is checked as any reward is)."""
+    try:
+        return environment.reward()
+    except Exception as error:
+        raise EnvironmentFailure(f"{type(environment).__name__}.reward raised on {where}: {type(error).__name__}: {error}") from error

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_cancel.agents.environment import Environment, EnvironmentFailure, reset_episode, step_episode
+from lit_cancel.agents.environment import Environment, EnvironmentFailure, episode_reward, reset_episode, step_episode
 from lit_cancel.generation import Generation, padded
 from lit_cancel.rollouts import checked_reward
 from lit_cancel.tasks import Record
@@ -114,7 +114,7 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
 
     rewards = []
     for episode in episodes:
-        reward = episode.environment.reward()
+        reward = episode_reward(episode.environment, episode.where)
         source = f"{type(episode.environment).__name__}.reward"
         rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
     return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,

@@ -159,6 +159,13 @@ def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_
     with pytest.raises(EnvironmentFailure, match=r"Broken.step raised at turn 2 of record 0: ZeroDivisionError"):
         run(ScriptedPolicy(lambda context: ("go", True)), [{"prompt": "p:"}], environment=Broken)
 
+    class Unscored(Countdown):
+        def reward(self):
+            raise KeyError("score")
+
+    with pytest.raises(EnvironmentFailure, match=r"Unscored.reward raised on record 0: KeyError: 'score'"):
+        run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+
 
 def test_a_trl_environment_runs_its_tools_in_episodes_and_scores_them_with_get_reward():
     class Calculator:
