@@ -43,8 +43,10 @@ class RolloutPolicy(Protocol):
     def precision_context(self) -> AbstractContextManager:
         """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
 
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False) -> Generation:
-        """Completions of left-padded prompts, sampled by the engine with the current weights."""
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None) -> Generation:
+        """Completions of left-padded prompts, sampled by the engine with the current weights, each at most
+        ``max_new_tokens`` long (the policy's own limit when None; an agent's episode sets each turn's)."""
 
     def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
         """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""
