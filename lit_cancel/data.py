@@ -60,6 +60,14 @@ class TaskDataModule(L.LightningDataModule):
         return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
 
 
+def new_tokens_limit(task: Task, module: L.LightningModule) -> tuple[object, str, str]:
+    """``(tokens, name, option)``: how many tokens may follow a prompt, its name and the option that sets it: the
+    module's ``max_new_tokens``, or an agent task's ``max_episode_tokens``."""
+    if isinstance(task, AgentTask):
+        return task.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
+    return getattr(module, "max_new_tokens", None), "max_new_tokens", "model.init_args.max_new_tokens"
+
+
 class _NextMiniBatch:
     """Placeholder yielded by the train dataloader; the datamodule replaces it with a real mini-batch."""
 
@@ -156,21 +164,10 @@ class RolloutDataModule(TaskDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         self.check_sizes(world, accumulation, fitting=stage == "fit", objective=self._objective())
-        if self.trainer is not None:
-            self.check_agent(self.trainer.lightning_module)
+        if self.trainer is not None and isinstance(self.task, AgentTask):
+            self.task.check_engine(getattr(self.trainer.lightning_module, "engine", None))
         if stage == "fit" and self.trainer is not None:
             self.check_prompt_lengths(self.trainer.lightning_module)
-
-    def check_agent(self, module: L.LightningModule) -> None:
-        """Raises ValueError when the task runs episodes (an :class:`~lit_cancel.agents.AgentTask`) and the module's
-        engine samples ahead of the trainer (``max_staleness`` > 0): an episode's later turns depend on the
-        environment's answers, which an engine that samples ahead does not have."""
-        staleness = getattr(getattr(module, "engine", None), "max_staleness", 0)
-        if isinstance(self.task, AgentTask) and staleness > 0:
-            raise ValueError(
-                f"{type(self.task).__name__} runs episodes turn by turn, which an engine sampling ahead cannot "
-                f"(model.init_args.engine has max_staleness={staleness}); set max_staleness: 0"
-            )
 
     def check_prompt_lengths(self, module: L.LightningModule) -> None:
         """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
@@ -183,10 +180,7 @@ class RolloutDataModule(TaskDataModule):
             f"the engine's {ENGINE_MAX_MODEL_LEN}": getattr(getattr(module, "engine", None), "max_model_len", None),
         }
         limits = {name: value for name, value in limits.items() if isinstance(value, int)}
-        max_new_tokens = getattr(module, "max_new_tokens", None)
-        name, option = "max_new_tokens", "model.init_args.max_new_tokens"
-        if isinstance(self.task, AgentTask):
-            max_new_tokens, name, option = self.task.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
+        max_new_tokens, name, option = new_tokens_limit(self.task, module)
         if not limits or not isinstance(max_new_tokens, int):
             return
         limit = min(limits, key=limits.__getitem__)

@@ -13,13 +13,10 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from torch import Tensor
+from torch import Tensor
 
-    from lit_cancel.generation import Generation
-    from lit_cancel.producer import RolloutPolicy
+from lit_cancel.generation import Generation
 
 Record = dict
 
@@ -59,9 +56,10 @@ class Task(ABC):
         """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
         return f"{split} record {index}"
 
-    def rollout(self, policy: "RolloutPolicy", records: list[Record], input_ids: "Tensor", attention_mask: "Tensor",
-                num_samples: int = 1, greedy: bool = False) -> "Generation":
-        """``num_samples`` rollouts of each of ``records``, whose prompts ``input_ids`` holds left-padded: here one
+    def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
+                greedy: bool = False) -> Generation:
+        """``num_samples`` rollouts of each of ``records`` by ``policy`` (a :class:`~lit_cancel.producer.RolloutPolicy`),
+        whose prompts ``input_ids`` holds left-padded: here one
         completion each by ``policy.rollout``; an :class:`~lit_cancel.agents.AgentTask` runs an episode of several
         turns against its environment instead."""
         return policy.rollout(input_ids, attention_mask, num_samples, greedy)

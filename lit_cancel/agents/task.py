@@ -47,6 +47,16 @@ class AgentTask(Task):
         is trained and closed by EOS, observations are not); the task's first solution as one turn by default."""
         return [(self.solutions(record)[0], "")]
 
+    def check_engine(self, engine: object) -> None:
+        """Raises ValueError when ``engine`` samples ahead of the trainer (``max_staleness`` > 0): an episode's later
+        turns depend on the environment's answers, which such an engine does not have."""
+        staleness = getattr(engine, "max_staleness", 0)
+        if staleness > 0:
+            raise ValueError(
+                f"{type(self).__name__} runs episodes turn by turn, which an engine sampling ahead cannot "
+                f"(model.init_args.engine has max_staleness={staleness}); set max_staleness: 0"
+            )
+
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
                 greedy: bool = False) -> Generation:
         return run_episodes(policy, self.environment, self.limits, records, input_ids, attention_mask, num_samples, greedy,
