@@ -29,6 +29,7 @@ RUN_TIME = {
     "USER": "alice",
     "SLURM_JOB_ID": "81234",
     "SLURM_LOCALID": "3",
+    "SLURM_CPUS_PER_TASK": "8",
     "gpu": "3",
     "SERVER_NODES": "1",
     "TRAIN_HOSTS": "gpu-01,gpu-02",
@@ -180,6 +181,17 @@ def test_a_misspelt_serve_option_is_refused():
         serve_options([a.replace("--port", "--prot") for a in arguments])
     with pytest.raises(ConfigError, match="the following arguments are required: --config"):
         serve_options(arguments[2:])  # without --config
+
+
+def test_every_srun_step_gets_the_jobs_cpus_per_task():
+    # since Slurm 22.05 srun does not inherit the batch job's --cpus-per-task: a step without it gives each task one CPU
+    text = SCRIPTS["slurm"].read_text()
+    (cpus,) = re.findall(r"^#SBATCH --cpus-per-task=(\d+)$", text, re.M)
+    steps = [words(line) for line in logical_lines(text) if line.lstrip().startswith("srun ")]
+    assert len(steps) == 2  # the servers and the trainer
+    for step in steps:
+        given = [word.split("=", 1)[1] for word in step if word.startswith("--cpus-per-task=")]
+        assert [expand(value, {"SLURM_CPUS_PER_TASK": cpus}) for value in given] == [cpus], step[:6]
 
 
 def test_the_launchers_start_the_processes_the_trainer_expects():
