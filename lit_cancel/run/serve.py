@@ -1,17 +1,14 @@
 """``lit-cancel serve --config CONFIG``: a vLLM rollout server for a config's model, for ``VLLMServerEngine``'s ``urls``.
 
-Every mistake in the options, the config or its model is refused in one line before anything is written or started
-(:class:`ServeSetup`); then the model is written to a temporary folder, removed once the server has ended, and this
-process becomes vLLM's server (:func:`~lit_cancel.engines.server_process.server_command`).
+Every mistake in the options, the config or its model is refused in one line before anything is started
+(:class:`ServeSetup`); then this process becomes vLLM's server on the config's model folder, read where it lies
+(:func:`~lit_cancel.engines.server_process.server_command`).
 """
 
 import argparse
 import importlib.util
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from lit_cancel.engines.server_process import server_command, server_environment
@@ -72,9 +69,9 @@ def read_config(path: str) -> dict:
 
 
 class ServeSetup:
-    """What ``lit-cancel serve ARGV`` runs, checked before anything is written or started, in the order :func:`main` calls:
+    """What ``lit-cancel serve ARGV`` runs, checked before anything is started, in the order :func:`main` calls:
     the options and the config file (here), what vLLM would refuse only once started (:meth:`check_with_vllm`), the model
-    and the KV cache it needs (:meth:`load`); then :meth:`write` writes the model for the server. Each check raises
+    and the KV cache it needs (:meth:`load`); then :meth:`command` is the server's command line. Each check raises
     ValueError in one line.
 
     Each server setting comes from the command line, else from the config's engine, else its default; the option or
@@ -155,13 +152,12 @@ class ServeSetup:
                 self.arguments.get("max_new_tokens", 64),
             ))
 
-    def write(self) -> list[str]:
-        """Writes the loaded model as a Hugging Face folder in a temporary folder, removed once this process (vLLM's server,
-        after :func:`main` replaced itself with it) has ended, whatever ended it; returns the server's command line."""
-        folder = tempfile.mkdtemp(prefix="lit-cancel-serve-")
-        remove_when_ended(folder, os.getpid())
-        self.model.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
+    def command(self) -> list[str]:
+        """The server's command line: vLLM reads the config's model folder where it lies, in the server's dtype (nothing
+        is copied: a copy per server would fill the temporary folder of a node that serves on 8 GPUs)."""
+        from lit_cancel.hub import resolve_model_path
+
+        folder = str(resolve_model_path(self.model_path))
         return server_command(folder, self.host, self.port, self.dtype, self.max_model_len, self.kv_cache, self.on_cpu, self.extra)
 
 
@@ -234,39 +230,16 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: cannot listen there, {reason}") from None
 
 
-_REMOVE_WHEN_ENDED = """
-import os, select, shutil, sys, time
-pid, folder = int(sys.argv[1]), sys.argv[2]
-if os.fork():
-    os._exit(0)
-try:
-    select.select([os.pidfd_open(pid)], [], [])
-except ProcessLookupError:
-    pass
-except OSError:
-    while os.path.exists(f"/proc/{pid}"):
-        time.sleep(1)
-shutil.rmtree(folder, ignore_errors=True)
-"""
-
-
-def remove_when_ended(folder: str, pid: int) -> None:
-    """Removes ``folder`` once the process ``pid`` has ended: a small watcher process, in a session of its own and outside
-    ``pid``'s children (a server stopping its children leaves it be), waits for it."""
-    subprocess.run([sys.executable, "-c", _REMOVE_WHEN_ENDED, str(pid), folder], check=True, start_new_session=True,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def main(argv: list[str]) -> int:
     """``lit-cancel serve --config CONFIG``: a rollout server for the config's model, in the foreground. Every mistake in
-    the options, the config or its model is refused (ConfigError, one line) before anything is written or started."""
+    the options, the config or its model is refused (ConfigError, one line) before anything is started."""
     try:
         setup = ServeSetup(argv)
         setup.check_with_vllm()
         setup.load()
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    command = setup.write()
+    command = setup.command()
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     print(f"serving at {setup.host}:{setup.port}:\n  {' '.join(command)}", flush=True)

@@ -21,8 +21,9 @@ import pytest
 from lit_cancel import VLLMServerEngine
 from lit_cancel.engines.server_process import ServerClient, ServerError, _group_alive, free_port, stop_server, wait_until_healthy
 from lit_cancel.engines.vllm_common import INSTALL_LINES
+from lit_cancel.hub import resolve_model_path
 from lit_cancel.run import commands
-from lit_cancel.run.serve import ServeSetup, remove_when_ended
+from lit_cancel.run.serve import ServeSetup
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -165,22 +166,6 @@ def test_a_server_process_that_ignores_sigterm_is_killed_after_the_grace_time():
     assert not _group_alive(process.pid) and 1 <= time.monotonic() - started < 5
 
 
-def test_a_folder_is_removed_once_the_process_it_waits_for_has_ended(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(b"weights")
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    remove_when_ended(str(folder), process.pid)
-    time.sleep(0.5)
-    assert folder.exists()
-    process.kill()
-    process.wait()
-    deadline = time.monotonic() + 10
-    while folder.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not folder.exists()
-
-
 def serve(args: list[str], monkeypatch, capfd) -> tuple[int, list[str]]:
     """``lit-cancel serve ARGS``: its exit status and the lines it printed."""
     monkeypatch.setattr(sys, "argv", ["lit-cancel", "serve", *args])
@@ -255,14 +240,14 @@ def test_serve_runs_vllms_server_on_the_configs_model_with_its_engine_settings_u
     config = str(CONFIGS / "quickstart-server.yaml")
     setup = ServeSetup(["--config", config, "--port", "8123", "--cpus", "0", "--max-num-seqs", "64"])
     setup.load()
-    command = setup.write()
+    command = setup.command()
     options = dict(zip(command, command[1:]))
-    folder = Path(options["--model"])
-    assert folder.parent == tmp_path and {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    assert Path(options["--model"]) == resolve_model_path("embedded:tiny-adder")  # served where it lies, in the server's dtype
+    assert not list(tmp_path.iterdir())  # no copy of the model
     assert (options["--port"], options["--max-model-len"], options["--kv-cache-memory-bytes"], options["--dtype"]) == (
         "8123", "256", "67108864", "float32")
     assert options["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in command
     assert options["--max-num-seqs"] == "64" and setup.cpus == [0]  # vLLM's own options pass through
     setup = ServeSetup(["--config", config, "--max-model-len", "128"])
     setup.load()
-    assert dict(zip(command := setup.write(), command[1:]))["--max-model-len"] == "128"
+    assert dict(zip(command := setup.command(), command[1:]))["--max-model-len"] == "128"

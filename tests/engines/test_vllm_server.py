@@ -5,6 +5,7 @@ asynchronous rollouts, faults, and two trainer nodes sharing one server. Run in 
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ from lit_cancel.engines.server_process import (  # noqa: E402
 )
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
 from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
+from lit_cancel.hub import resolve_model_path  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 
 CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-server.yaml"
@@ -67,11 +69,10 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
-    """The tiny adder as a Hugging Face folder, the way ``lit-cancel serve`` writes a config's model."""
-    folder = tmp_path_factory.mktemp("tiny-adder")
-    module = RLModule("embedded:tiny-adder")
-    module.policy.model.save_pretrained(folder)
-    module.tokenizer.save_pretrained(folder)
+    """The shipped tiny adder's files as they are, which ``lit-cancel serve`` serves where they lie (a copy here: the server's log
+    goes beside them)."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-adder"
+    shutil.copytree(resolve_model_path("embedded:tiny-adder"), folder)
     return folder
 
 
