@@ -72,8 +72,15 @@ class LaunchedServer:
 
     def check(self, policy: PolicyWeights, dtype: str, max_new_tokens: int | None) -> None:
         """Raises ValueError, in one line, where no GPU is and the KV cache cannot hold one sequence of ``max_model_len``
-        tokens (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`): the server would refuse to start."""
+        tokens (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`): the server would refuse to start; and on a GPU
+        unless ``server_args`` give the server's share of it."""
         if torch.cuda.is_available():  # checked before the module is on its device: the server will run on the GPU
+            if not any(arg.split("=")[0] == "--gpu-memory-utilization" for arg in self.server_args):
+                raise ValueError(
+                    f"{_ENGINE_KEY}.launch starts a vLLM server on the trainer's GPU, which by default takes 90% of it: give its "
+                    f"share in {_ENGINE_KEY}.server_args, e.g. [--gpu-memory-utilization, '0.3'], or sample in the trainer's "
+                    "process with lit_cancel.VLLMEngine (sleep mode gives training the GPU back between rollouts)"
+                )
             return
         need = kv_cache_need(policy.base_model.config, policy.tokenizer, dtype, self.max_model_len, kv_cache_options(self.server_args))
         budget = self.kv_cache_memory_bytes or CPU_KV_CACHE

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_cancel import VLLMServerEngine
 from lit_cancel.engines.server_process import ServerClient, ServerError, _group_alive, free_port, stop_server, wait_until_healthy
@@ -144,6 +145,15 @@ def process_group_with_a_child(ignore_sigterm: bool = False) -> tuple[subprocess
         stdout=subprocess.PIPE, start_new_session=True,
     )
     return leader, int(leader.stdout.readline())
+
+
+def test_a_server_to_launch_on_the_trainers_gpu_needs_its_share_of_the_gpu_stated(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())  # as if vLLM were installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"launch starts a vLLM server on the trainer's GPU, which by default takes 90% of it"):
+        VLLMServerEngine(launch=True).server.check(None, "bfloat16", 40)
+    for args in (["--gpu-memory-utilization", "0.3"], ["--gpu-memory-utilization=0.3"]):
+        VLLMServerEngine(launch=True, server_args=args).server.check(None, "bfloat16", 40)
 
 
 def test_closing_the_engine_stops_every_process_of_a_launched_server_whose_own_process_died(monkeypatch):
