@@ -74,6 +74,11 @@ def version_label(run: str, push: int) -> str:
     return f"{run}/{push}"
 
 
+def version_push(label: str) -> int:
+    """The count of pushes in a label :func:`version_label` made: which of its run's versions it is."""
+    return int(label.rpartition("/")[2])
+
+
 def parse_result(response: dict, request: RolloutRequest, pushed: dict[str, int], server: str) -> RolloutResult:
     """The completions in a generate response, checked: ``num_samples`` of them, each sampled entirely by one version
     of the weights ``pushed`` (label: optimizer step), the same for all, of step ``request.oldest_step`` or later;

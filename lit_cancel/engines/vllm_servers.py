@@ -31,12 +31,14 @@ from torch import Tensor
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.engines.launched_server import LaunchedServer, write_weights
 from lit_cancel.engines.server_messages import (
+    LOADING,
     RolloutRequest,
     RolloutResult,
     ServerSampling,
     StaleRolloutError,
     parse_result,
     version_label,
+    version_push,
 )
 from lit_cancel.engines.server_process import ServerClient, ServerError
 from lit_cancel.engines.vllm_common import (
@@ -70,18 +72,25 @@ def _rank() -> int:
 
 
 def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str, clients: list[ServerClient]) -> None:
-    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``; the other
-    processes take part in each gather of a sharded weight and keep nothing. Returns once every process is done."""
+    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``, all servers at
+    once; the other processes take part in each gather of a sharded weight and keep nothing. The servers load once every
+    process is here, so no process samples with the weights they replace any more (VLLMServerEngine.sync finished its
+    draws first). Returns once every process is done."""
+    distributed = torch.distributed.is_initialized()
     if _rank() == 0:
         write_weights(weights, folder)
-        for client in clients:
-            try:
-                client.load_weights(folder, label)
-            except ServerError:  # a server that is down gets the weights when it answers again (VLLMServerEngine._current)
-                pass
     else:
         deque(weights, maxlen=0)
-    if torch.distributed.is_initialized():
+    if distributed:
+        torch.distributed.barrier()
+    if _rank() == 0:
+        loads = [_in_background(client.load_weights, folder, label) for client in clients]
+        for load in loads:
+            try:
+                load.result()
+            except ServerError:  # a server that is down gets the weights when it answers again (VLLMServerEngine._current)
+                pass
+    if distributed:
         torch.distributed.barrier()
 
 
@@ -277,9 +286,16 @@ class VLLMServerEngine(RolloutEngine):
         return engine_dtype(self.dtype, next(policy.model.parameters()).dtype, policy.device)
 
     def _current(self, client: ServerClient) -> None:
-        """Gives ``client`` the current weights unless it reports holding them (a restarted server does not)."""
-        if client.label() != self.label:
-            client.load_weights(self.folder, self.label)
+        """Gives ``client`` the current weights where it holds older ones: another run's or its start-up ones (a restarted
+        server's), an older version of this run, or the current one half-loaded (a transfer that stopped half-way). A newer
+        version, whole or being loaded, is process 0's push, which this process has yet to take part in: it must not undo it."""
+        label = client.label()
+        if self._is_own(label):
+            # a process loads a version while every process still holds the one before it (push_weights), or once it holds
+            # it itself (here): the current version half-loaded is a transfer that stopped, or another one of the same folder
+            if label == self.label or version_push(label.removesuffix(LOADING)) > version_push(self.label):
+                return
+        client.load_weights(self.folder, self.label)
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:
         """One request's result from the first server that answers it with acceptable weights. The request is sent again

@@ -1,0 +1,191 @@
+"""How the server engine pushes weights to its servers, against stand-in servers that answer vLLM's weight and generate
+routes (no vLLM): every server loads at once, and no process puts older weights back over a newer version. The tests with
+vLLM servers are in tests/engines/test_vllm_server.py."""
+
+import json
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lit_cancel import VLLMServerEngine
+from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, version_label
+from lit_cancel.engines.server_process import ServerClient, free_port
+from lit_cancel.engines.vllm_servers import _in_background, push_weights
+
+RUN = "run"
+REQUEST = RolloutRequest((5, 6), 2, ServerSampling(1.0, 1.0, 1, (1,)), seed=0, oldest_step=1)
+WEIGHTS = [("weight", torch.zeros(2))]
+
+
+class StandInServer:
+    """A vLLM server's weights label, its weights (the folder it last began to reload) and its pause, behind vLLM's routes.
+    A reload replaces the weights as it begins, as vLLM's overwrites them tensor by tensor, and ends once ``reloaded``
+    lets it; a generation waits while the server is paused, then answers with the label held."""
+
+    def __init__(self):
+        self.label, self.weights, self.paused = "default", None, False
+        self.reloads: list[str] = []
+        self.generations = 0
+        self.reloaded = lambda folder: None
+        self.changed = threading.Condition()
+
+    def answer(self, path: str, body: dict) -> dict:
+        with self.changed:
+            if path == "/weight_info":
+                return {"weight_version": self.label}
+            if path == "/pause":
+                self.paused = True
+            elif path == "/resume":
+                self.paused = False
+            elif path == "/update_weight_version":
+                self.label = body["new_version"]
+            elif path == "/collective_rpc":
+                self.weights = body["kwargs"]["weights_path"]
+                self.reloads.append(body["kwargs"]["weights_path"])
+            elif path == "/inference/v1/generate":
+                self.generations += 1
+            self.changed.notify_all()
+        if path == "/collective_rpc":
+            self.reloaded(body["kwargs"]["weights_path"])
+        if path == "/inference/v1/generate":
+            with self.changed:
+                self.changed.wait_for(lambda: not self.paused)
+                span = [{"version": self.label, "start": 0, "end": 1}]
+            choice = {"token_ids": [1], "weight_versions": span, "logprobs": {"content": [{"logprob": -1.0}]}}
+            return {"choices": [{"index": index, **choice} for index in range(body["sampling_params"]["n"])]}
+        return {}
+
+    def wait_for(self, condition) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: condition(self), timeout=10)
+
+
+@contextmanager
+def stand_in_servers(count: int):
+    """``count`` stand-in servers; yields each one's state and URL."""
+    servers, https = [], []
+    for _ in range(count):
+        state = StandInServer()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self, state=state):
+                self.respond(state.answer(self.path.split("?")[0], {}))
+
+            def do_POST(self, state=state):
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                try:
+                    self.respond(state.answer(self.path.split("?")[0], body))
+                except threading.BrokenBarrierError:
+                    self.send_error(500)
+
+            def respond(self, answer: dict) -> None:
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        http.daemon_threads = True
+        threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append((state, f"http://127.0.0.1:{http.server_address[1]}"))
+        https.append(http)
+    try:
+        yield servers
+    finally:
+        for http in https:
+            http.shutdown()
+            http.server_close()
+
+
+def engine_at(url: str, push: int, folder: str) -> VLLMServerEngine:
+    """A trainer process's engine of the run ``RUN`` as its sync leaves it after push ``push`` (of step ``push``) from ``folder``."""
+    engine = VLLMServerEngine(urls=[url], server_timeout=30)
+    engine.run = RUN
+    engine.clients = [ServerClient(url, 30, 30, engine._is_own)]
+    learn_push(engine, push, folder)
+    return engine
+
+
+def learn_push(engine: VLLMServerEngine, push: int, folder: str) -> None:
+    with engine.version_changed:
+        engine.pushed |= {version_label(RUN, done): done for done in range(push + 1)}
+        engine.step, engine.label, engine.folder = push, version_label(RUN, push), folder
+
+
+def test_a_process_one_version_behind_leaves_a_newer_push_alone_while_it_loads_and_after(tmp_path):
+    old, new = str(tmp_path / "run-1"), str(tmp_path / "run-2")
+    with stand_in_servers(1) as [(server, url)]:
+        server.label, server.weights = "run/1", old
+        loading = threading.Event()
+        server.reloaded = lambda folder: loading.wait(10) if folder == new else None
+        rank0, rank1 = engine_at(url, 1, old), engine_at(url, 1, old)
+
+        push = _in_background(push_weights, WEIGHTS, new, "run/2", rank0.clients)
+        server.wait_for(lambda s: s.label == "run/2:loading")
+        draw = _in_background(rank1._generate, REQUEST)  # a request of rank 1's, sent again during rank 0's push
+        server.wait_for(lambda s: s.generations == 1)  # held while the server is paused
+        assert server.reloads == [new]
+
+        loading.set()
+        push.result(timeout=10)
+        server.wait_for(lambda s: s.generations == 3)  # answered by run/2, which rank 1 does not know yet, then sent again
+        assert (server.reloads, server.weights, server.label) == ([new], new, "run/2")
+        assert not draw.done()
+
+        learn_push(rank1, 2, new)  # rank 1 is through its own push_weights of run/2
+        assert draw.result(timeout=10).step == 2
+        assert server.reloads == [new]
+
+
+@pytest.mark.parametrize(("label", "pushes"), [
+    ("default", True),  # a restarted server
+    ("other/7", True),  # another run's
+    ("run/1", True),  # a server that was down during the last push
+    ("run/1:loading", True),
+    ("run/2:loading", True),  # the current version's transfer stopped half-way
+    ("run/2", False),
+    ("run/3", False),  # process 0's next push, which this process has yet to take part in
+    ("run/3:loading", False),
+])
+def test_a_process_gives_a_server_its_current_weights_only_over_older_ones(tmp_path, label, pushes):
+    current = str(tmp_path / "run-2")
+    with stand_in_servers(1) as [(server, url)]:
+        server.label = label
+        engine = engine_at(url, 2, current)
+        engine._current(engine.clients[0])
+        assert server.reloads == ([current] if pushes else [])
+        assert server.label == ("run/2" if pushes else label)
+
+
+def test_every_server_loads_a_push_at_once_and_one_that_is_down_is_skipped(tmp_path):
+    folder = str(tmp_path / "run-0")
+    with stand_in_servers(2) as servers:
+        both_loading = threading.Barrier(2, timeout=5)  # a reload waits for the other server's to begin
+        for server, _ in servers:
+            server.reloaded = lambda _: both_loading.wait()
+        down = f"http://127.0.0.1:{free_port()}"
+        push_weights(WEIGHTS, folder, "run/0", [ServerClient(url) for url in (servers[0][1], down, servers[1][1])])
+        assert [(server.label, server.reloads) for server, _ in servers] == [("run/0", [folder])] * 2
+
+
+def test_the_servers_load_a_push_between_the_processes_barriers(tmp_path, monkeypatch):
+    with stand_in_servers(1) as [(server, url)]:
+        events = []
+        server.reloaded = lambda _: events.append("reload")
+        barrier = dist.barrier
+        monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier") or barrier())
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            push_weights(WEIGHTS, str(tmp_path / "run-0"), "run/0", [ServerClient(url)])
+        finally:
+            dist.destroy_process_group()
+    # every process finished its draws with the weights the servers held (sync) before any server replaces them
+    assert events == ["barrier", "reload", "barrier"]
