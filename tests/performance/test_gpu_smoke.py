@@ -1,5 +1,6 @@
-"""benchmarks/performance/gpu_smoke.py on a CPU: its dry run names every step, and the word problems it writes are a GSM8K file."""
+"""benchmarks/performance/gpu_smoke.py on a CPU: its dry run names every check, each check runs alone and is reported, and the\nword problems it writes are a GSM8K file."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,15 +8,54 @@ from pathlib import Path
 PERFORMANCE = Path(__file__).resolve().parents[2] / "benchmarks" / "performance"
 
 
-def test_the_dry_run_names_the_gpu_tests_the_short_run_and_the_table_and_exits_0():
-    result = subprocess.run([sys.executable, str(PERFORMANCE / "gpu_smoke.py"), "--dry-run", "--model-path", "/models/m"],
+def test_the_dry_run_names_each_check_with_its_time_limit_and_the_qwen_run_on_the_model_given(tmp_path):
+    result = subprocess.run([sys.executable, str(PERFORMANCE / "gpu_smoke.py"), "--dry-run", "--model-path", "/models/m",
+                             "--work-dir", str(tmp_path), "--run-timeout", "123", "--", "--trainer.precision=32-true"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert "pytest -m gpu" in out
-    assert "lit-cancel fit --config configs/qwen2.5-0.5b-gsm8k-vllm.yaml --trainer.max_steps=20" in out
-    assert "--model.init_args.model_path=/models/m" in out and "synthetic word problems" in out
-    assert "peak memory per GPU" in out and "weight-sync" in out
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("each test of pytest -m gpu tests/test_gpu.py, in its own process")
+    shipped, qwen = lines[1:]
+    assert shipped.startswith("shipped (at most 123 s): ") and "--config configs/quickstart.yaml --trainer.max_steps=10" in shipped
+    assert qwen.startswith("qwen (at most 123 s): ") and "--model.init_args.model_path=/models/m" in qwen
+    assert qwen.endswith("--trainer.precision=32-true")  # options after -- go to the qwen run, last, so they win
+
+
+def test_every_gpu_test_is_its_own_check_run_alone():
+    from gpu_smoke import gpu_tests
+
+    checks = gpu_tests(timeout=60, work=Path("/tmp"))
+    names = [c.name for c in checks]
+    assert "test_sleep_mode_gives_the_kv_cache_back_between_rollouts_and_keeps_it_released_during_a_push" in names
+    assert len(names) == len(set(names)) >= 8
+    for check in checks:
+        node = check.command[-1]
+        assert node == f"tests/test_gpu.py::{check.name}" and check.timeout == 60  # one test per pytest process
+
+
+def test_a_failed_a_skipped_and_a_hung_check_are_each_reported_and_the_next_check_still_runs(tmp_path):
+    from gpu_smoke import Check, run_check
+
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_skips():\n    pytest.skip('needs vLLM')\n"
+        "def test_passes():\n    pass\n"
+    )
+    checks = []
+    for name in ("test_fails", "test_skips", "test_passes"):
+        junit = tmp_path / f"{name}.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", f"{tmp_path}/test_cases.py::{name}"]
+        checks.append(Check(name, command, 120, junit=junit))
+    checks.insert(1, Check("hangs", [sys.executable, "-c", "import time; time.sleep(60)"], 1))
+    with open(tmp_path / "log", "w") as log:
+        for check in checks:
+            run_check(check, {**os.environ}, log)
+    outcomes = {c.name: c.outcome for c in checks}
+    assert outcomes["test_fails"].startswith("failed: AssertionError: one is not two")
+    assert outcomes["hangs"] == "timed out after 1 s" and checks[1].seconds < 30
+    assert outcomes["test_skips"].startswith("skipped: needs vLLM")
+    assert outcomes["test_passes"] == "passed"
 
 
 def test_the_synthetic_word_problems_load_as_a_math_word_task_with_their_answers_rewarded(tmp_path):
