@@ -226,7 +226,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", help="the qwen run's Hugging Face model folder; default: Qwen2.5-0.5B's shape, random weights")
     parser.add_argument("--train-file", help="GSM8K-style jsonl; default: synthetic word problems written for the run")
-    parser.add_argument("--val-file", help="held-out jsonl; default: the train file (or the synthetic one)")
+    parser.add_argument("--val-file", help="held-out jsonl, validated whole before the run; default: 16 synthetic word problems")
     parser.add_argument("--config", help="the qwen run's config; default: the vLLM recipe where vLLM is installed, else the decode loop's")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each run")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="the qwen run's completion limit")
@@ -244,11 +244,11 @@ def main() -> int:
     has_vllm = importlib.util.find_spec("vllm") is not None
     config = args.config or ("configs/qwen2.5-0.5b-gsm8k-vllm.yaml" if has_vllm else "configs/qwen2.5-0.5b-gsm8k.yaml")
     train_file = args.train_file or str(work / "train.jsonl")
-    val_file = args.val_file or train_file
+    val_file = args.val_file or str(work / "val.jsonl")
     model_path = args.model_path or str(work / "qwen2.5-0.5b-shape")
     fit = [sys.executable, "-m", "lit_cancel", "fit"]
     # after --config, which they override
-    run_options = [f"--trainer.max_steps={args.steps}", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+    run_options = [f"--trainer.max_steps={args.steps}", "--trainer.enable_progress_bar=false",
                    "--trainer.callbacks+=gpu_smoke.SmokeStats", f"--trainer.accelerator={args.accelerator}"]
     checks = gpu_tests(args.test_timeout, work) if "tests" in args.only and not args.dry_run else []
     if "tests" in args.only and args.dry_run:
@@ -271,6 +271,8 @@ def main() -> int:
     if "qwen" in args.only:
         if not args.train_file:
             synthetic_word_problems(Path(train_file), rows=400, seed=0)
+        if not args.val_file:  # one validation batch
+            synthetic_word_problems(Path(val_file), rows=16, seed=1)
         if not args.model_path:
             save_random_qwen(Path(model_path), **QWEN2_5_0_5B)
     for check in checks:
