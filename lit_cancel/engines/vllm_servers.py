@@ -71,11 +71,22 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def load_everywhere(folder: str, label: str, clients: list[ServerClient]) -> None:
+    """Has every server load the weights in ``folder`` as the version ``label``, all at once; a server that is down is
+    skipped: it gets the weights when it answers again (VLLMServerEngine._current)."""
+    loads = [_in_background(client.load_weights, folder, label) for client in clients]
+    for load in loads:
+        try:
+            load.result()
+        except ServerError:
+            pass
+
+
 def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str, clients: list[ServerClient]) -> None:
-    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``, all servers at
-    once; the other processes take part in each gather of a sharded weight and keep nothing. The servers load once every
-    process is here, so no process samples with the weights they replace any more (VLLMServerEngine.sync finished its
-    draws first). Returns once every process is done."""
+    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``
+    (:func:`load_everywhere`); the other processes take part in each gather of a sharded weight and keep nothing. The
+    servers load once every process is here, so no process samples with the weights they replace any more
+    (VLLMServerEngine.sync finished its draws first). Returns once every process is done."""
     distributed = torch.distributed.is_initialized()
     if _rank() == 0:
         write_weights(weights, folder)
@@ -84,12 +95,7 @@ def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str,
     if distributed:
         torch.distributed.barrier()
     if _rank() == 0:
-        loads = [_in_background(client.load_weights, folder, label) for client in clients]
-        for load in loads:
-            try:
-                load.result()
-            except ServerError:  # a server that is down gets the weights when it answers again (VLLMServerEngine._current)
-                pass
+        load_everywhere(folder, label, clients)
     if distributed:
         torch.distributed.barrier()
 
