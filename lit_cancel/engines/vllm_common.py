@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -123,10 +124,14 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
 
     A peft model's names lose their ``base_model.model.`` prefix and ``.base_layer``; each adapted
     layer's weight is its base weight plus the adapter's ``B A * scaling``; the adapters themselves
-    are left out. The model is not changed. Tied weights appear under both names, as ``state_dict``
-    lists them.
+    are left out. The model is not changed. A tied weight (one parameter under several names, as an output embedding
+    tied to the input one) is cast and gathered once, and yielded under each of its names in turn, at the place of
+    its first. vLLM needs every name: its ``reload_weights`` restores each layer apart, so it does not see the tie, and
+    loads the output embedding's layer from ``lm_head.weight`` alone (on a CPU that layer keeps a packed copy, rebuilt
+    only when the layer is loaded: without it the engine samples from stale logits; vLLM 0.32).
 
-    Sharded (FSDP2) parameters are gathered one at a time, when the next weight is asked for, and the
+    Sharded (FSDP2) parameters are cast to ``dtype`` on each process's shard, then gathered (a bfloat16 gather
+    moves half the bytes of a float32 one), one at a time, when the next weight is asked for, and the
     generator keeps no reference to a weight it has yielded: a consumer that drops each weight after use
     holds one gathered weight at a time, not the whole model. Each gather is a collective, so every
     process must iterate to the end, in step with the others. vLLM's ``reload_weights`` is such a
@@ -142,26 +147,38 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
         from peft.tuners.lora import LoraLayer
 
         adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    # the names of each parameter, by the model's structure (the same in every process); an adapted weight is its own,
+    # tied or not: its adapters are merged into it alone
+    names_of_parameter = defaultdict(list)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name not in adapted:
+            names_of_parameter[id(parameter)].append(name)
+    other_names = {names[0]: names[1:] for names in names_of_parameter.values() if len(names) > 1}
+    yielded_with_the_first = {name for names in other_names.values() for name in names}
     for name, tensor in model.state_dict().items():
-        if ".lora_" not in name:
-            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), _merged(tensor, adapted.get(name), dtype)
+        if ".lora_" in name or name in yielded_with_the_first:
+            continue
+        weight = _merged(tensor, adapted.get(name), dtype)
+        for each in (name, *other_names.get(name, ())):
+            yield each.removeprefix("base_model.model.").replace(".base_layer.", "."), weight
+        del weight  # a consumer that drops the weight frees it before the next is gathered
 
 
 @torch.no_grad()  # not on merged_weights: torch's wrapper of a generator holds each item until the next is made
 def _merged(tensor: Tensor, layer: nn.Module | None, dtype: torch.dtype | None) -> Tensor:
-    """``tensor`` plus the deltas of ``layer``'s active adapters (if any), gathered if sharded, cast to ``dtype``.
+    """``tensor`` plus the deltas of ``layer``'s active adapters (if any), cast to ``dtype``, gathered if sharded.
 
     Under FSDP2 the adapters are sharded like the base weight, so peft's ``get_delta_weight`` is a DTensor too: the sum
-    is taken on the shards and gathered once.
+    is taken on the shards in the weight's dtype, cast there, and gathered once.
     """
     if layer is not None:
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
                 tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
     if dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(dtype)
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     return tensor
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lit_cancel.engines.vllm_common import merged_weights
 
@@ -36,6 +37,21 @@ def peft_merged(sharded_weights, folder: str) -> dict[str, torch.Tensor]:
     return merged
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_output_embedding_is_the_input_embedding_yielded_again_right_after_it(tied):
+    config = Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=tied)
+    model = Qwen2ForCausalLM(config)
+    weights = list(merged_weights(model, torch.bfloat16))
+    names = [name for name, _ in weights]
+    assert sorted(names) == sorted(model.state_dict())
+    embedding, head = weights[names.index("model.embed_tokens.weight")][1], weights[names.index("lm_head.weight")][1]
+    assert torch.equal(head, model.lm_head.weight.to(torch.bfloat16))
+    # tied, the embedding is cast (under FSDP2: gathered) once, and vLLM gets it under both names
+    assert (head is embedding) == tied
+    assert (names.index("lm_head.weight") == names.index("model.embed_tokens.weight") + 1) == tied
+
+
 def test_an_unsharded_lora_model_yields_peft_merged_weights(sharded_weights, model_folder):
     expected = peft_merged(sharded_weights, model_folder)
     weights = dict(merged_weights(sharded_weights.lora_model(model_folder), torch.bfloat16))
@@ -56,9 +72,15 @@ def test_a_lora_model_sharded_over_two_processes_yields_peft_merged_weights_gath
     )
     expected = peft_merged(sharded_weights, model_folder)
     for rank in (0, 1):
-        result = torch.load(tmp_path / f"out.{rank}")
-        assert result["weights"].keys() == expected.keys()
+        pushes = torch.load(tmp_path / f"out.{rank}")
+        float32, bfloat16 = pushes["torch.float32"], pushes["torch.bfloat16"]
+        assert float32["weights"].keys() == bfloat16["weights"].keys() == expected.keys()
         for name, tensor in expected.items():
-            assert torch.allclose(result["weights"][name], tensor, rtol=1e-5, atol=1e-6), (rank, name)
-        # one gather per weight (tied ones under each name), each once the weight before it was dropped
-        assert result["alive_at_gather"] == [0] * len(expected)
+            assert torch.allclose(float32["weights"][name], tensor, rtol=1e-5, atol=1e-6), (rank, name)
+            # cast on the shards, then gathered: the values of the gathered float32 weight cast to bfloat16
+            assert torch.equal(bfloat16["weights"][name], float32["weights"][name].to(torch.bfloat16)), (rank, name)
+        for push, dtype in [(float32, torch.float32), (bfloat16, torch.bfloat16)]:
+            # one gather per weight in the engine's dtype, the tied embeddings' one gather under both names, each once
+            # the weight before it was dropped
+            assert push["gathered_dtypes"] == [dtype] * (len(expected) - 1)
+            assert push["alive_at_gather"] == [0] * (len(expected) - 1)

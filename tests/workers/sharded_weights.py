@@ -2,9 +2,10 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/workers/sharded_weights.py MODEL_FOLDER OUT
 
-Each process builds the same LoRA model, shards it block by block and iterates ``merged_weights``, dropping each weight
-once it has a copy; at each of ``DTensor.full_tensor``'s gathers it counts the tensors gathered before that are still
-alive. Process ``r`` saves the weights and the counts in ``OUT.r``.
+Each process builds the same LoRA model, shards it block by block and iterates ``merged_weights``, in float32 and then
+in bfloat16, dropping each weight once it has a copy; at each of ``DTensor.full_tensor``'s gathers it records the dtype
+gathered and counts the tensors gathered before that are still alive. Process ``r`` saves, for each dtype, the weights,
+the gathered dtypes and the counts in ``OUT.r``.
 """
 
 import sys
@@ -36,26 +37,36 @@ def lora_model(folder: str) -> torch.nn.Module:
     return model
 
 
-def main(folder: str, out: str) -> None:
-    dist.init_process_group("gloo")
-    root = ModelRoot(lora_model(folder))
-    fully_shard_model(root, init_device_mesh("cpu", (dist.get_world_size(),)))
-
-    gathered, alive_at_gather = [], []
+def recorded_push(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """``merged_weights(model, dtype)`` copied weight by weight, with the dtype of each gather and the number of tensors
+    gathered before it that were still alive at it."""
+    gathered, gathered_dtypes, alive_at_gather = [], [], []
     full_tensor = DTensor.full_tensor
 
     def counted_full_tensor(self, **kwargs):
+        gathered_dtypes.append(self.dtype)
         alive_at_gather.append(sum(ref() is not None for ref in gathered))
         tensor = full_tensor(self, **kwargs)
         gathered.append(weakref.ref(tensor))
         return tensor
 
     DTensor.full_tensor = counted_full_tensor
-    weights = {}
-    for name, tensor in merged_weights(root.model):
-        weights[name] = tensor.clone()  # a copy the count does not follow; the weight itself is dropped, as vLLM does once loaded
-        del tensor
-    torch.save({"weights": weights, "alive_at_gather": alive_at_gather}, f"{out}.{dist.get_rank()}")
+    try:
+        weights = {}
+        for name, tensor in merged_weights(model, dtype):
+            weights[name] = tensor.clone()  # a copy the count does not follow; the weight itself is dropped, as vLLM does
+            del tensor
+    finally:
+        DTensor.full_tensor = full_tensor
+    return {"weights": weights, "gathered_dtypes": gathered_dtypes, "alive_at_gather": alive_at_gather}
+
+
+def main(folder: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    root = ModelRoot(lora_model(folder))
+    fully_shard_model(root, init_device_mesh("cpu", (dist.get_world_size(),)))
+    pushes = {str(dtype): recorded_push(root.model, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    torch.save(pushes, f"{out}.{dist.get_rank()}")
     dist.destroy_process_group()
 
 
