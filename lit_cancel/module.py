@@ -193,7 +193,8 @@ class PolicyModule(L.LightningModule):
         was_training = self.policy.training
         self.policy.eval()
         policy = self.policy_weights()
-        validation = self._trainer is not None and not self.trainer.training
+        # inside Lightning's validation loop, which ends with on_validation_end (end_validation)
+        validation = self._trainer is not None and (self.trainer.validating or self.trainer.sanity_checking)
         options = self.sampling_options()
         if max_new_tokens is not None:
             options = replace(options, max_new_tokens=max_new_tokens)
@@ -267,6 +268,9 @@ class PolicyModule(L.LightningModule):
         if self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics(values, step=step)
+
+    def on_validation_end(self) -> None:
+        self.engine.end_validation()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.lora is not None:

@@ -162,12 +162,32 @@ def test_sleep_mode_gives_the_kv_cache_back_between_rollouts_and_keeps_it_releas
 def test_with_sleep_mode_a_rollout_with_no_sync_since_the_last_samples_from_the_pushed_weights_not_discarded_ones():
     module = gpu_module(vllm_engine(sleep=True), temperature=0.8)
     torch.manual_seed(0)
-    module.rollout(*prompts(module), greedy=True)  # as a validation batch: greedy first, then sampled
+    module.rollout(*prompts(module), greedy=True)  # outside a validation the engine sleeps after every call
     torch.manual_seed(1)
     sampled = module.rollout(*prompts(module), num_samples=4)  # no optimizer step in between: no sync by the module
     assert sampled.sync_seconds > 0  # the engine pushed the weights its last sleep discarded
     mean_gap, max_gap = bf16_gap(module, sampled)
     assert mean_gap < BF16_MEAN_TOLERANCE and max_gap < BF16_MAX_TOLERANCE, (mean_gap, max_gap)
+
+
+@needs_vllm
+def test_with_sleep_mode_a_validation_pushes_the_weights_once_and_samples_every_batch_from_them():
+    module = gpu_module(vllm_engine(sleep=True), temperature=0.8, val_samples=2)
+    engine, pushes, generations = module.engine, [], []
+    engine.sync = lambda policy: pushes.append(policy.step) or type(engine).sync(engine, policy)
+    rollout = module.rollout
+    module.rollout = lambda *args, **kwargs: generations.append(rollout(*args, **kwargs)) or generations[-1]
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=8), prompts_per_round=4, group_size=2,
+                             val_batch_size=4)
+    trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    torch.manual_seed(0)
+    trainer.validate(module, datamodule=data)
+    assert len(generations) == 4 and len(pushes) == 1  # 2 batches of greedy then sampled completions, one push
+    assert engine.asleep == {"weights", "kv_cache"} and engine.weights_discarded  # asleep again once it ended
+    for sampled in generations[1::2]:  # sampled after the greedy call of their batch, with no sleep in between
+        mean_gap, max_gap = bf16_gap(module, sampled)
+        assert mean_gap < BF16_MEAN_TOLERANCE and max_gap < BF16_MAX_TOLERANCE, (mean_gap, max_gap)
 
 
 @needs_vllm
@@ -237,7 +257,7 @@ def test_the_fsdp2_recipe_trains_on_every_visible_gpu(tmp_path, lit_cancel_scrip
 @needs_vllm
 def test_the_fsdp2_recipe_with_vllm_runs_an_engine_on_each_processs_gpu(tmp_path, lit_cancel_script):
     # each process's engine on its own GPU (cuda:LOCAL_RANK), with sleep mode; the validation before training
-    # samples each batch twice, the second time after a sleep that discarded the weights
+    # samples each batch twice while the engine stays awake, and the first round after it pushes the weights again
     fsdp2_recipe(tmp_path, lit_cancel_script, "--model.init_args.engine=lit_cancel.VLLMEngine",
                  f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}")
 

@@ -84,7 +84,8 @@ class SampleRequest:
         num_samples: completions per prompt.
         options: how to sample.
         greedy: the most likely token at every step instead of sampling.
-        validation: the completions are a validation's (the trainer validates), not a training round's.
+        validation: the completions are a validation's (inside Lightning's validation loop), not a training round's;
+            the engine is told when that validation ends (:meth:`RolloutEngine.end_validation`).
     """
 
     input_ids: Tensor
@@ -160,6 +161,11 @@ class RolloutEngine(ABC):
     def sync(self, policy: PolicyWeights) -> float:
         """Makes the engine sample from the policy's current weights; returns the seconds it took."""
         return 0.0
+
+    def end_validation(self) -> None:
+        """Called when a validation ends, before training goes on: an engine that kept what it holds through the
+        validation's calls (``request.validation``) releases it here. Nothing by default."""
+        return None
 
     def prefetch(self, policy: PolicyWeights, request: SampleRequest, seed: int, oldest_step: int) -> None:
         """Starts sampling, in the background, what :meth:`sample` will be asked for next under ``torch.manual_seed(seed)``,

@@ -44,6 +44,24 @@ _ENGINE_KEY = "model.init_args.engine.init_args"
 _SLEEP_TAGS = ("weights", "kv_cache")
 
 
+def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, llm_kwargs: dict) -> dict:
+    """The ``vllm.LLM`` arguments of the limits given (None: vLLM's default); raises ValueError, naming the option, at a
+    limit below 1, fewer batched tokens than sequences (vLLM refuses that as it starts), or a limit also in ``llm_kwargs``."""
+    limits = {name: value for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)]
+              if value is not None}
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{_ENGINE_KEY}.{name} must be a whole number >= 1 (None: vLLM's default), got {value!r}")
+        if name in llm_kwargs:
+            raise ValueError(f"{_ENGINE_KEY}.{name} is also in {_ENGINE_KEY}.llm_kwargs: give it once")
+    if len(limits) == 2 and max_num_batched_tokens < max_num_seqs:
+        raise ValueError(
+            f"{_ENGINE_KEY}.max_num_batched_tokens={max_num_batched_tokens} is below {_ENGINE_KEY}.max_num_seqs={max_num_seqs}: "
+            "vLLM computes at least one token of every sequence it decodes in each step"
+        )
+    return limits
+
+
 class VLLMEngine(RolloutEngine):
     """Samples rollouts and validation completions with vLLM, in the training process.
 
@@ -59,11 +77,13 @@ class VLLMEngine(RolloutEngine):
     sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
     runs repeat and processes draw different random numbers.
 
-    With sleep mode the engine releases its KV cache and discards its weights after every call
+    With sleep mode the engine releases its KV cache and discards its weights after every training call
     (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
     the KV cache stays released while the gathered weights are built, then the KV cache wakes to
-    sample. A call with no push since the last sleep (the sampled validation rollout after the greedy
-    one) pushes the weights again first, timed with the others.
+    sample. Through a validation the engine stays awake, from its first call to the validation's end
+    (:meth:`end_validation`), so a validation pushes the weights once at most, however many batches and
+    calls it has (greedy, then sampled completions of each batch). A call with no push since the last
+    sleep (the first rollout after a validation) pushes the weights again first, timed with the others.
 
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
     running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
@@ -88,6 +108,15 @@ class VLLMEngine(RolloutEngine):
             autocast: the difference shows in ``rollout/logprob_mismatch``.
         max_model_len: the longest prompt plus completion; the task's prompts are checked against it at
             start-up. None: the model's ``max_position_embeddings``.
+        max_num_seqs: the most sequences vLLM decodes at once (one sequence per completion: ``n`` samples of a prompt are
+            ``n``). vLLM sizes its memory profiling, its sampler's warm-up and its CUDA graphs for this many (graphs up
+            to twice as many tokens, at most 512); a call that sends more is not refused, vLLM queues the rest and
+            samples it as sequences finish. Set it to the most one call sends: a round's sequences per process
+            (``prompts_per_round`` / processes x ``group_size``), or a validation batch's (``val_batch_size`` x
+            ``val_samples``) where that is more. None: vLLM's default (vLLM 0.32: 1,024 on an H100 or H200, 256 on smaller GPUs and CPUs).
+        max_num_batched_tokens: the most tokens vLLM computes in one step (prompt chunks and one token per decoding
+            sequence); its memory profiling runs a forward pass of this many tokens. At least ``max_num_seqs`` (vLLM
+            refuses less). None: vLLM's default (vLLM 0.32: 16,384 on an H100 or H200, 8,192 on smaller GPUs, 4,096 on a CPU).
         llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
 
     Example::
@@ -106,6 +135,8 @@ class VLLMEngine(RolloutEngine):
         sleep: bool | None = None,
         dtype: str | None = None,
         max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         llm_kwargs: dict | None = None,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -114,12 +145,14 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine: kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.batch_limits = batch_limits(max_num_seqs, max_num_batched_tokens, self.llm_kwargs)
         self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
         self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
-        self.llm_kwargs = dict(llm_kwargs or {})
         self.llm = None
         self.sleep_mode = self.weights_discarded = False
-        # the vLLM memory tags asleep (sleep mode): both after a rollout, the KV cache alone during a push
+        # the vLLM memory tags asleep (sleep mode): both after a training call and at a validation's end, the KV cache alone
+        # during a push
         self.asleep: set[str] = set()
         # the configuration and tokenizer vLLM starts from, removed with the engine
         self._folder: tempfile.TemporaryDirectory | None = None
@@ -192,6 +225,7 @@ class VLLMEngine(RolloutEngine):
                 enforce_eager=(not on_gpu) if self.enforce_eager is None else self.enforce_eager,
                 enable_sleep_mode=self.sleep_mode,
                 max_model_len=self.max_model_len,
+                **self.batch_limits,
                 logprobs_mode="processed_logprobs",
                 seed=0,  # what vLLM draws with when a request has no seed: greedy requests only (prompt_seeds)
                 **memory,
@@ -220,10 +254,22 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=tags)
             self.asleep -= set(tags)
 
+    def _sleep(self) -> None:
+        # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
+        # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
+        # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
+        self.llm.sleep(level=2)
+        self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
+
+    def end_validation(self) -> None:
+        """With sleep mode, sleeps if a validation's calls left the engine awake: training takes the memory back."""
+        if self.sleep_mode and not self.asleep:
+            self._sleep()
+
     def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         from vllm import SamplingParams
 
-        # weights discarded by the last sleep and not pushed since (a validation rollout after a rollout): push them again
+        # weights discarded by the last sleep and not pushed since (a round after a validation, an agent's next turn): push them
         sync_seconds = self.sync(policy) if self.weights_discarded else 0.0
         self._wake()
         options, greedy, num_samples = request.options, request.greedy, request.num_samples
@@ -243,12 +289,8 @@ class VLLMEngine(RolloutEngine):
         for prompt_params, seed in zip(per_prompt, prompt_seeds(len(prompts), num_samples), strict=True):
             prompt_params.seed = None if greedy else seed
         outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
-        if self.sleep_mode:
-            # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
-            # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
-            # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
-            self.llm.sleep(level=2)
-            self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
+        if self.sleep_mode and not request.validation:
+            self._sleep()
 
         samples = [c for output in outputs for c in output.outputs]
         completions = [list(sample.token_ids) for sample in samples]

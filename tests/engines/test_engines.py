@@ -80,6 +80,33 @@ def test_the_decode_loop_reports_no_sampler_logprobs(tmp_path):
     assert trainer.logged_metrics["perf/weight_sync_s"] == 0.0
 
 
+class PhaseRecorder(DecodeLoop):
+    """The decode loop, recording whether each call is a validation's or a training round's, and each end of a validation."""
+
+    def __init__(self):
+        self.events = []
+
+    def sample(self, policy, request) -> Sampled:
+        self.events.append("validation call" if request.validation else "training call")
+        return super().sample(policy, request)
+
+    def end_validation(self) -> None:
+        self.events.append("end of validation")
+
+
+def test_an_engine_is_told_that_a_validation_ended_after_its_calls_and_before_training_samples_again():
+    """What lets VLLMEngine stay awake through a validation and sleep before training takes the memory back."""
+    module = RLModule("embedded:tiny-adder", max_new_tokens=4, engine=PhaseRecorder())
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=4), prompts_per_round=2, group_size=2,
+                             val_batch_size=2)
+    trainer = L.Trainer(max_steps=2, val_check_interval=1, check_val_every_n_epoch=None, accelerator="cpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    # the sanity check, then a round and a validation for each step: 2 batches of 2 calls (greedy, sampled) each
+    validation = ["validation call"] * 4 + ["end of validation"]
+    assert module.engine.events == validation + ["training call"] + validation + ["training call"] + validation
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_a_vllm_config_without_vllm_stops_in_one_line_naming_the_extra(lit_cancel_script, tmp_path):
     result = subprocess.run(

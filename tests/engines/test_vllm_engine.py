@@ -17,6 +17,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -187,6 +188,42 @@ def test_sleep_mode_wakes_the_weights_for_a_push_and_a_rollout_after_a_sleep_pus
     assert mismatch(module, again) < TOLERANCE  # pushed again, so the engine has the changed weights
 
 
+def record_calls(monkeypatch, llm, calls: list) -> None:
+    """Appends to ``calls`` each sleep of ``llm`` (with its level), wake-up (its tags), generate call and weight push."""
+
+    def recording(name, method):
+        def call(*args, **kwargs):
+            calls.append(args[0] if name == "collective_rpc" else (name, kwargs.get("level", kwargs.get("tags"))))
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("sleep", "wake_up", "generate", "collective_rpc"):
+        monkeypatch.setattr(llm, name, recording(name, getattr(llm, name)))
+
+
+def test_with_sleep_mode_a_validation_pushes_the_weights_once_stays_awake_through_its_calls_and_sleeps_at_its_end(monkeypatch):
+    module = vllm_module(temperature=0.8, val_samples=2)
+    engine = module.engine
+    torch.manual_seed(9)
+    module.rollout(*prompts(module), num_samples=2)  # builds the engine (no sleep mode on a CPU) and pushes
+    engine.sleep_mode = True  # as on a GPU (see the test above)
+    module.rollout(*prompts(module), num_samples=2)  # a training round's: the engine sleeps after it
+    calls = []
+    record_calls(monkeypatch, engine.llm, calls)
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=16, val_size=8), prompts_per_round=4, group_size=2,
+                             val_batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, datamodule=data)
+    # 2 batches of greedy then sampled completions, after one push; asleep again once the validation ended
+    assert calls == [("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"])] + [("generate", None)] * 4 + [("sleep", 2)]
+    assert engine.asleep == {"weights", "kv_cache"} and engine.weights_discarded
+
+    calls.clear()
+    module.rollout(*prompts(module), num_samples=2)  # training goes on: the discarded weights are pushed again
+    assert calls == [("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"]), ("generate", None), ("sleep", 2)]
+
+
 def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_processs_gpu(monkeypatch):
     """What build passes to vLLM there; the GPU and the process group are the test's (vLLM is not started)."""
     import vllm
@@ -210,6 +247,30 @@ def test_on_a_gpu_in_process_1_of_2_the_engine_is_a_vllm_world_of_one_on_the_pro
     # vLLM checks at start that its share is free, with a KV cache of a given size too (its own default share is 0.92)
     assert (kwargs["gpu_memory_utilization"], kwargs["kv_cache_memory_bytes"]) == (0.4, 2**30)
     assert kwargs["enable_sleep_mode"] and kwargs["dtype"] == "bfloat16" and not kwargs["enforce_eager"]
+
+
+def test_max_num_seqs_and_max_num_batched_tokens_reach_vllm_and_a_call_of_more_sequences_queues_for_them():
+    engine = VLLMEngine(kv_cache_memory_bytes=KV_CACHE, max_num_seqs=3, max_num_batched_tokens=200)
+    module = RLModule("embedded:tiny-adder", engine=engine, max_new_tokens=40, temperature=0.8)
+    torch.manual_seed(10)
+    generation = module.rollout(*prompts(module), num_samples=2)  # 8 sequences, at most 3 decoded at once
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 200)
+    assert generation.input_ids.shape[0] == 8 and generation.completion_mask.sum(1).min() > 0
+    assert mismatch(module, generation) < TOLERANCE
+
+
+@pytest.mark.parametrize(("options", "refusal"), [
+    ({"max_num_seqs": 0}, "model.init_args.engine.init_args.max_num_seqs must be a whole number >= 1 (None: vLLM's default), got 0"),
+    ({"max_num_batched_tokens": 2048.0}, "model.init_args.engine.init_args.max_num_batched_tokens must be a whole number >= 1"),
+    ({"max_num_seqs": 128, "max_num_batched_tokens": 64},
+     "model.init_args.engine.init_args.max_num_batched_tokens=64 is below model.init_args.engine.init_args.max_num_seqs=128"),
+    ({"max_num_seqs": 64, "llm_kwargs": {"max_num_seqs": 32}},
+     "model.init_args.engine.init_args.max_num_seqs is also in model.init_args.engine.init_args.llm_kwargs"),
+])
+def test_batch_limits_vllm_would_refuse_are_refused_as_the_engine_is_made_naming_the_option(options, refusal):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        VLLMEngine(**options)
 
 
 @pytest.mark.slow
