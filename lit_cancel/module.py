@@ -185,20 +185,20 @@ class PolicyModule(L.LightningModule):
 
     @torch.no_grad()
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None) -> Generation:
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
         """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token
-        or after ``max_new_tokens`` (the module's when None)."""
+        or after ``max_new_tokens`` (the module's when None); with ``keep_engine`` more calls follow at once (an agent's
+        turns), and the engine may keep what it holds until :meth:`release_engine`."""
         # the KV cache would otherwise come on top of the host memory the last training pass freed (host_memory.py)
         release_free_heap()
         was_training = self.policy.training
         self.policy.eval()
         policy = self.policy_weights()
-        # inside Lightning's validation loop, which ends with on_validation_end (end_validation)
-        validation = self._trainer is not None and (self.trainer.validating or self.trainer.sanity_checking)
+        validation = self._validating()
         options = self.sampling_options()
         if max_new_tokens is not None:
             options = replace(options, max_new_tokens=max_new_tokens)
-        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, validation)
+        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, validation, keep_engine)
         with gathered(self.policy), self.engine.context(self.device):
             sync_seconds = 0.0
             if self.engine_version != self.weights_version:
@@ -269,8 +269,18 @@ class PolicyModule(L.LightningModule):
             for logger in self.trainer.loggers:
                 logger.log_metrics(values, step=step)
 
+    def _validating(self) -> bool:
+        """Inside Lightning's validation loop, which ends with :meth:`on_validation_end`."""
+        return self._trainer is not None and (self.trainer.validating or self.trainer.sanity_checking)
+
+    def release_engine(self) -> None:
+        """Lets the engine release what it kept through calls made with ``keep_engine``; in a validation it keeps it until
+        the validation ends."""
+        if not self._validating():
+            self.engine.release()
+
     def on_validation_end(self) -> None:
-        self.engine.end_validation()
+        self.engine.release()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.lora is not None:

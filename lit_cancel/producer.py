@@ -44,9 +44,13 @@ class RolloutPolicy(Protocol):
         """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
 
     def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None) -> Generation:
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
         """Completions of left-padded prompts, sampled by the engine with the current weights, each at most
-        ``max_new_tokens`` long (the policy's own limit when None; an agent's episode sets each turn's)."""
+        ``max_new_tokens`` long (the policy's own limit when None; an agent's episode sets each turn's); ``keep_engine``:
+        more calls follow at once (an agent's turns), released by :meth:`release_engine` after the last."""
+
+    def release_engine(self) -> None:
+        """Lets the engine release what it kept through calls made with ``keep_engine``."""
 
     def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
         """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""

@@ -95,6 +95,9 @@ class ForcedBranching(RolloutEngine):
     def sync(self, policy: PolicyWeights) -> float:
         return self.engine.sync(policy)
 
+    def release(self) -> None:
+        self.engine.release()
+
     def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         if options is not None and self.preamble_tokens >= options.max_new_tokens:
             raise ValueError(

@@ -104,11 +104,12 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
         contexts = [e.prompt + e.tokens for e in running] or [[tokenizer.pad_token_id]]
         ids, mask = padded(contexts, tokenizer.pad_token_id, left=True)
         room = max((limits.max_episode_tokens - len(e.tokens) for e in running), default=1)
-        generation = policy.rollout(ids.to(device), mask.to(device), 1, greedy, max_new_tokens=min(turn_tokens, room))
+        generation = policy.rollout(ids.to(device), mask.to(device), 1, greedy, max_new_tokens=min(turn_tokens, room), keep_engine=True)
         sync_seconds += generation.sync_seconds
         engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in generation.stats.items()}
         for row, episode in enumerate(running):
             take_turn(episode, generation, row, turn, turn == limits.max_turns, limits, stops, tokenizer)
+    policy.release_engine()  # the engine stayed as it was between turns (vLLM awake with the weights it was pushed)
     for episode in episodes:
         episode.ending = episode.ending or "turn_limit"
 

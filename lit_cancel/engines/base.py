@@ -85,7 +85,9 @@ class SampleRequest:
         options: how to sample.
         greedy: the most likely token at every step instead of sampling.
         validation: the completions are a validation's (inside Lightning's validation loop), not a training round's;
-            the engine is told when that validation ends (:meth:`RolloutEngine.end_validation`).
+            the engine is told when that validation ends (:meth:`RolloutEngine.release`).
+        keep: more calls on the same weights follow at once (an agent's next turns): the engine may keep what it holds
+            until :meth:`RolloutEngine.release`, called after the last of them.
     """
 
     input_ids: Tensor
@@ -94,6 +96,7 @@ class SampleRequest:
     options: SamplingOptions
     greedy: bool = False
     validation: bool = False
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,9 +165,10 @@ class RolloutEngine(ABC):
         """Makes the engine sample from the policy's current weights; returns the seconds it took."""
         return 0.0
 
-    def end_validation(self) -> None:
-        """Called when a validation ends, before training goes on: an engine that kept what it holds through the
-        validation's calls (``request.validation``) releases it here. Nothing by default."""
+    def release(self) -> None:
+        """Called when a series of calls ends that let the engine keep what it holds between them (a validation's,
+        ``request.validation``; an agent's turns, ``request.keep``), before training goes on: the engine releases it
+        here. Nothing by default."""
         return None
 
     def prefetch(self, policy: PolicyWeights, request: SampleRequest, seed: int, oldest_step: int) -> None:

@@ -81,8 +81,9 @@ class VLLMEngine(RolloutEngine):
     (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
     the KV cache stays released while the gathered weights are built, then the KV cache wakes to
     sample. Through a validation the engine stays awake, from its first call to the validation's end
-    (:meth:`end_validation`), so a validation pushes the weights once at most, however many batches and
-    calls it has (greedy, then sampled completions of each batch). A call with no push since the last
+    (:meth:`release`), so a validation pushes the weights once at most, however many batches and
+    calls it has (greedy, then sampled completions of each batch); and so it does through an agent's
+    turns (``request.keep``), which call it once a turn. A call with no push since the last
     sleep (the first rollout after a validation) pushes the weights again first, timed with the others.
 
     vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
@@ -261,8 +262,8 @@ class VLLMEngine(RolloutEngine):
         self.llm.sleep(level=2)
         self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
 
-    def end_validation(self) -> None:
-        """With sleep mode, sleeps if a validation's calls left the engine awake: training takes the memory back."""
+    def release(self) -> None:
+        """With sleep mode, sleeps if a validation's or an agent's calls left the engine awake: training takes the memory back."""
         if self.sleep_mode and not self.asleep:
             self._sleep()
 
@@ -289,7 +290,7 @@ class VLLMEngine(RolloutEngine):
         for prompt_params, seed in zip(per_prompt, prompt_seeds(len(prompts), num_samples), strict=True):
             prompt_params.seed = None if greedy else seed
         outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
-        if self.sleep_mode and not request.validation:
+        if self.sleep_mode and not (request.validation or request.keep):
             self._sleep()
 
         samples = [c for output in outputs for c in output.outputs]

@@ -29,17 +29,21 @@ from lit_cancel.tasks import AdditionTask
 
 class ScriptedPolicy:
     """A policy whose turn is ``script(context text)``, closed by EOS unless the script says not to; it records every
-    context it was asked to continue, as token ids."""
+    context it was asked to continue, as token ids, and each call's ``keep_engine`` and each release of the engine."""
 
     def __init__(self, script, max_new_tokens: int = 8):
         self.tokenizer = load_tokenizer("embedded:tiny-adder")
         self.stop_token_ids = [self.tokenizer.eos_token_id]
-        self.script, self.max_new_tokens, self.contexts = script, max_new_tokens, []
+        self.script, self.max_new_tokens, self.contexts, self.engine_calls = script, max_new_tokens, [], []
 
     def sampling_options(self):
         return type("Options", (), {"max_new_tokens": self.max_new_tokens})()
 
-    def rollout(self, input_ids, attention_mask, num_samples=1, greedy=False, max_new_tokens=None):
+    def release_engine(self):
+        self.engine_calls.append("release")
+
+    def rollout(self, input_ids, attention_mask, num_samples=1, greedy=False, max_new_tokens=None, keep_engine=False):
+        self.engine_calls.append("kept call" if keep_engine else "call")
         limit = max_new_tokens or self.max_new_tokens
         pieces = []
         for ids, mask in zip(input_ids, attention_mask):
@@ -122,6 +126,8 @@ def test_rows_of_unequal_length_are_padded_after_their_episode_and_the_reset_tex
     assert generation.completion_mask[1].tolist() == [1] * 5 + [0] * (generation.completion_mask.shape[1] - 5)
     assert generation.rewards.tolist() == [2.0, 1.0]
     assert generation.stats["rollout/turns"] == 1.5
+    # the engine may keep its state (vLLM awake, its weights pushed) from turn to turn, and releases it after the last
+    assert policy.engine_calls == ["kept call", "kept call", "release"]
 
 
 def test_limits_end_an_episode_at_its_turn_limit_a_turn_cut_at_its_token_limit_and_the_episode_token_limit():

@@ -87,11 +87,11 @@ class PhaseRecorder(DecodeLoop):
         self.events = []
 
     def sample(self, policy, request) -> Sampled:
-        self.events.append("validation call" if request.validation else "training call")
+        self.events.append(("validation call" if request.validation else "training call") + (" kept" if request.keep else ""))
         return super().sample(policy, request)
 
-    def end_validation(self) -> None:
-        self.events.append("end of validation")
+    def release(self) -> None:
+        self.events.append("release")
 
 
 def test_an_engine_is_told_that_a_validation_ended_after_its_calls_and_before_training_samples_again():
@@ -103,8 +103,33 @@ def test_an_engine_is_told_that_a_validation_ended_after_its_calls_and_before_tr
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
     # the sanity check, then a round and a validation for each step: 2 batches of 2 calls (greedy, sampled) each
-    validation = ["validation call"] * 4 + ["end of validation"]
+    validation = ["validation call"] * 4 + ["release"]
     assert module.engine.events == validation + ["training call"] + validation + ["training call"] + validation
+
+
+def test_an_agents_turns_keep_the_engine_and_it_is_released_after_a_rounds_last_turn_or_at_the_validations_end():
+    """What lets VLLMEngine stay awake from one turn to the next, pushing the weights once a round, not once a turn."""
+    from lit_cancel.agents import ToolAdditionTask
+
+    module = RLModule("embedded:tiny-agent", engine=PhaseRecorder())
+    data = RolloutDataModule(ToolAdditionTask(train_size=16, val_size=2), prompts_per_round=2, group_size=2, val_batch_size=2)
+    trainer = L.Trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, accelerator="cpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    assert all(event.endswith(" kept") for event in module.engine.events if event != "release")
+    segments, current = [], []
+    for event in module.engine.events:
+        if event == "release":
+            segments.append(current)
+            current = []
+        else:
+            current.append(event.split()[0])
+    assert current == []  # released after the last call
+    # the validation before fit, two rounds, the validation at step 2: each released once, at its end
+    assert [set(segment) for segment in segments] == [{"validation"}, {"training"}, {"training"}, {"validation"}]
+    max_turns = data.task.limits.max_turns
+    assert all(1 <= len(segment) <= max_turns for segment in segments[1:3])  # one call a turn
+    assert all(2 <= len(segment) <= 2 * max_turns for segment in segments[::3])  # greedy episodes, then sampled ones
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
