@@ -472,6 +472,26 @@ def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_eng
     assert sum(e.value for e in events.Scalars("perf/weight_sync_s")) > 0
 
 
+def test_with_sleep_mode_an_agents_round_pushes_the_weights_once_and_sleeps_after_its_last_turn(monkeypatch):
+    from lit_cancel.agents import ToolAdditionTask
+
+    module = RLModule("embedded:tiny-agent", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=23)
+    task = ToolAdditionTask(train_size=16, val_size=2)
+    records = task.train_records()[:4]
+    encoded = encode_prompts(module.tokenizer, records)
+    task.rollout(module, records[:1], encoded["input_ids"][:1], encoded["attention_mask"][:1])  # builds the engine, pushes
+    engine = module.engine
+    engine.sleep_mode = True  # as on a GPU (see the validation test above)
+    engine.release()  # asleep, as after a training round
+    calls = []
+    record_calls(monkeypatch, engine.llm, calls)
+    torch.manual_seed(0)
+    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
+    assert generation.stats["rollout/turns"] > 1  # some episodes call the tool, then answer
+    turns = calls.count(("generate", None))
+    assert calls == [("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"])] + [("generate", None)] * turns + [("sleep", 2)]
+
+
 def test_agent_episodes_run_through_vllm_turn_by_turn_with_the_sampler_s_log_probs_on_the_policy_s_tokens():
     """Each turn is one request of token ids: the episode's rows carry vLLM's log-probs on the policy's tokens (equal to
     the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
