@@ -4,10 +4,12 @@ Every test here is marked ``gpu`` and skipped without a CUDA GPU (the vLLM ones 
 
     pytest -m gpu                      # before a long job; benchmarks/performance/gpu_smoke.py runs it, then a short real run
 
-vLLM changes the process it runs in (see tests/engines/test_vllm_engine.py), so run them in their own pytest process.
+vLLM changes the process it runs in (see tests/engines/test_vllm_engine.py), so run them in their own pytest process;
+each test with a sleep-mode engine runs in a process of its own (``in_own_process``).
 """
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -27,6 +29,7 @@ from lit_cancel.rollouts import encode_prompts
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs"
 HAS_CUDA = torch.cuda.is_available()
+OWN_PROCESS = "LIT_CANCEL_GPU_TEST_IN_OWN_PROCESS"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 needs_vllm = pytest.mark.skipif(HAS_CUDA and importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install -e '.[vllm]'")
 needs_two_gpus = pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2, reason="FSDP2 needs at least 2 GPUs")
@@ -38,6 +41,23 @@ KV_CACHE = 256 * 2**20
 # bf16 autocast (bf16-mixed): bfloat16 keeps 8 significant bits, so logits of magnitude ~10 are rounded by ~0.04 on
 # either side and the per-token log-probs differ by a few hundredths on average, rarely by more than a few tenths
 BF16_MEAN_TOLERANCE, BF16_MAX_TOLERANCE = 0.05, 0.5
+
+
+def in_own_process(test):
+    """Runs ``test`` in a pytest process of its own: vLLM allows one sleep-mode memory pool (its CuMemAllocator) per
+    process, so a second sleep-mode engine in the same process fails."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get(OWN_PROCESS) == test.__name__:
+            return test(*args, **kwargs)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test.__name__}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                                env={**os.environ, OWN_PROCESS: test.__name__})
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+
+    run.runs_in_own_process = True
+    return run
 
 
 def gpu_module(engine=None, **kwargs) -> RLModule:
@@ -130,6 +150,7 @@ def test_a_weight_push_holds_one_weight_at_a_time_on_the_gpu(tmp_path):
 
 
 @needs_vllm
+@in_own_process
 def test_sleep_mode_gives_the_kv_cache_back_between_rollouts_and_keeps_it_released_during_a_push():
     kv_cache = 4 * 2**30
     module = gpu_module(vllm_engine(kv_cache_memory_bytes=kv_cache, sleep=True), temperature=0.8)
@@ -159,6 +180,7 @@ def test_sleep_mode_gives_the_kv_cache_back_between_rollouts_and_keeps_it_releas
 
 
 @needs_vllm
+@in_own_process
 def test_with_sleep_mode_a_rollout_with_no_sync_since_the_last_samples_from_the_pushed_weights_not_discarded_ones():
     module = gpu_module(vllm_engine(sleep=True), temperature=0.8)
     torch.manual_seed(0)
@@ -171,6 +193,7 @@ def test_with_sleep_mode_a_rollout_with_no_sync_since_the_last_samples_from_the_
 
 
 @needs_vllm
+@in_own_process
 def test_with_sleep_mode_a_validation_pushes_the_weights_once_and_samples_every_batch_from_them():
     module = gpu_module(vllm_engine(sleep=True), temperature=0.8, val_samples=2)
     engine, pushes, generations = module.engine, [], []

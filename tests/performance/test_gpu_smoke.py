@@ -1,5 +1,6 @@
 """benchmarks/performance/gpu_smoke.py on a CPU: its dry run names every check, each check runs alone and is reported, and the\nword problems it writes are a GSM8K file."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -69,3 +70,15 @@ def test_the_synthetic_word_problems_load_as_a_math_word_task_with_their_answers
     records = task.train_records()
     assert len(records) == 20
     assert all(task.reward(r, f"so the answer is {r['answer']}") == 1.0 for r in records)
+
+
+def test_every_gpu_test_with_a_sleep_mode_engine_runs_in_a_process_of_its_own():
+    """vLLM allows one sleep-mode memory pool per process: a second sleep-mode engine in one pytest process fails."""
+    import test_gpu
+
+    tests = [value for name, value in vars(test_gpu).items() if name.startswith("test_") and callable(value)]
+    sleeping = [test for test in tests if "sleep=True" in inspect.getsource(test)]
+    assert len(sleeping) >= 4
+    for test in sleeping:
+        in_source = 'subprocess.run([sys.executable, "-c", script]' in inspect.getsource(test)  # runs its own script
+        assert getattr(test, "runs_in_own_process", False) or in_source, test.__name__
