@@ -141,27 +141,8 @@ class PolicyModule(L.LightningModule):
         # optimizer steps and checkpoint loads change the weights; the engine is synced when it is behind
         self.weights_version, self.engine_version = 0, None
         self.loaded_step = 0
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if max_new_tokens < 1 or val_samples < 1 or logprob_chunk_size < 1:
-            raise ValueError(
-                f"max_new_tokens, val_samples and logprob_chunk_size must be >= 1, got "
-                f"{max_new_tokens}, {val_samples}, {logprob_chunk_size}"
-            )
-        if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
-            raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
-        if pack_sequences and max_tokens_per_chunk is None:
-            raise ValueError("pack_sequences needs max_tokens_per_chunk: the most tokens in one packed row")
-        if activation_checkpointing not in (False, True, "blocks", "chunks", "blocks+chunks"):
-            raise ValueError(
-                f"activation_checkpointing must be false, true, 'blocks', 'chunks' or 'blocks+chunks', got {activation_checkpointing!r}"
-            )
-        if activation_checkpointing in ("chunks", "blocks+chunks") and max_tokens_per_chunk is None:
-            raise ValueError(
-                f"activation_checkpointing {activation_checkpointing!r} recomputes chunks of max_tokens_per_chunk, which is null"
-            )
+        check_settings(temperature, top_p, max_new_tokens, val_samples, logprob_chunk_size, max_tokens_per_chunk, pack_sequences,
+                       activation_checkpointing)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
@@ -313,6 +294,31 @@ class PolicyModule(L.LightningModule):
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+def check_settings(temperature: float, top_p: float, max_new_tokens: int, val_samples: int, logprob_chunk_size: int,
+                   max_tokens_per_chunk: int | None, pack_sequences: bool, activation_checkpointing: bool | str) -> None:
+    """Raises ValueError, naming the setting, for a :class:`PolicyModule` setting out of its range or one that needs another."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1 or val_samples < 1 or logprob_chunk_size < 1:
+        raise ValueError(
+            f"max_new_tokens, val_samples and logprob_chunk_size must be >= 1, got {max_new_tokens}, {val_samples}, {logprob_chunk_size}"
+        )
+    if max_tokens_per_chunk is not None and max_tokens_per_chunk < 1:
+        raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
+    if pack_sequences and max_tokens_per_chunk is None:
+        raise ValueError("pack_sequences needs max_tokens_per_chunk: the most tokens in one packed row")
+    if activation_checkpointing not in (False, True, "blocks", "chunks", "blocks+chunks"):
+        raise ValueError(
+            f"activation_checkpointing must be false, true, 'blocks', 'chunks' or 'blocks+chunks', got {activation_checkpointing!r}"
+        )
+    if activation_checkpointing in ("chunks", "blocks+chunks") and max_tokens_per_chunk is None:
+        raise ValueError(
+            f"activation_checkpointing {activation_checkpointing!r} recomputes chunks of max_tokens_per_chunk, which is null"
+        )
 
 
 def compile_decoder(root: ModelRoot) -> bool:

@@ -79,6 +79,18 @@ def version_push(label: str) -> int:
     return int(label.rpartition("/")[2])
 
 
+def holds_older(server_label: str, label: str) -> bool:
+    """Whether a server whose weights are labelled ``server_label`` should load the version ``label`` (of a run, as
+    :func:`version_label` makes it): it holds another run's weights or its start-up ones (a restarted server's), an older
+    version of the run, or ``label`` half-loaded (a transfer that stopped half-way). Not ``label`` itself, nor a newer
+    version, whole or being loaded: that is another process's push, which one still at ``label`` must not undo (a process
+    loads a version while every process holds the one before it, or once it holds it itself)."""
+    run = label.rpartition("/")[0]
+    if not server_label.startswith(f"{run}/"):
+        return True
+    return server_label != label and version_push(server_label.removesuffix(LOADING)) <= version_push(label)
+
+
 def parse_result(response: dict, request: RolloutRequest, pushed: dict[str, int], server: str) -> RolloutResult:
     """The completions in a generate response, checked: ``num_samples`` of them, each sampled entirely by one version
     of the weights ``pushed`` (label: optimizer step), the same for all, of step ``request.oldest_step`` or later;

@@ -31,14 +31,13 @@ from torch import Tensor
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.engines.launched_server import LaunchedServer, write_weights
 from lit_cancel.engines.server_messages import (
-    LOADING,
     RolloutRequest,
     RolloutResult,
     ServerSampling,
     StaleRolloutError,
+    holds_older,
     parse_result,
     version_label,
-    version_push,
 )
 from lit_cancel.engines.server_process import ServerClient, ServerError
 from lit_cancel.engines.vllm_common import (
@@ -292,16 +291,9 @@ class VLLMServerEngine(RolloutEngine):
         return engine_dtype(self.dtype, next(policy.model.parameters()).dtype, policy.device)
 
     def _current(self, client: ServerClient) -> None:
-        """Gives ``client`` the current weights where it holds older ones: another run's or its start-up ones (a restarted
-        server's), an older version of this run, or the current one half-loaded (a transfer that stopped half-way). A newer
-        version, whole or being loaded, is process 0's push, which this process has yet to take part in: it must not undo it."""
-        label = client.label()
-        if self._is_own(label):
-            # a process loads a version while every process still holds the one before it (push_weights), or once it holds
-            # it itself (here): the current version half-loaded is a transfer that stopped, or another one of the same folder
-            if label == self.label or version_push(label.removesuffix(LOADING)) > version_push(self.label):
-                return
-        client.load_weights(self.folder, self.label)
+        """Gives ``client`` the current weights where it holds older ones (:func:`holds_older`)."""
+        if holds_older(client.label(), self.label):
+            client.load_weights(self.folder, self.label)
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:
         """One request's result from the first server that answers it with acceptable weights. The request is sent again
