@@ -17,6 +17,24 @@ def checksum_reward(record: dict, completion: str) -> float:
     return float(sum(map(ord, completion)) % 7)
 
 
+def agent_episodes(module, seed: int = 0):
+    """Episodes of 4 ``ToolAdditionTask`` problems, 4 of each, through ``module``'s engine under ``torch.manual_seed(seed)``,
+    checked as every engine must give them: some call the tool and then answer, and the tool's replies, which the policy
+    mask leaves out, carry no sampler log-prob."""
+    from lit_cancel.agents import ToolAdditionTask
+    from lit_cancel.rollouts import encode_prompts
+
+    task = ToolAdditionTask(train_size=16, val_size=2)
+    records = task.train_records()[:4]
+    encoded = encode_prompts(module.tokenizer, records)
+    torch.manual_seed(seed)
+    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
+    replies = generation.attention_mask[:, generation.prompt_length:].bool() & ~generation.completion_mask.bool()
+    assert replies.any() and generation.stats["rollout/turns"] > 1
+    assert (generation.sampler_logprobs[replies] == 0).all()
+    return generation
+
+
 def save_tiny_model(folder, seed: int = 0, hidden: int = 32, layers: int = 2):
     """A randomly initialised Qwen2 with the character tokenizer, saved as a Hugging Face folder."""
     tokenizer = build_char_tokenizer()

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import save_tiny_model  # noqa: E402
+from conftest import agent_episodes, save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
@@ -473,21 +473,14 @@ def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_eng
 
 
 def test_with_sleep_mode_an_agents_round_pushes_the_weights_once_and_sleeps_after_its_last_turn(monkeypatch):
-    from lit_cancel.agents import ToolAdditionTask
-
     module = RLModule("embedded:tiny-agent", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=23)
-    task = ToolAdditionTask(train_size=16, val_size=2)
-    records = task.train_records()[:4]
-    encoded = encode_prompts(module.tokenizer, records)
-    task.rollout(module, records[:1], encoded["input_ids"][:1], encoded["attention_mask"][:1])  # builds the engine, pushes
+    module.rollout(*prompts(module))  # builds the engine, pushes
     engine = module.engine
     engine.sleep_mode = True  # as on a GPU (see the validation test above)
     engine.release()  # asleep, as after a training round
     calls = []
     record_calls(monkeypatch, engine.llm, calls)
-    torch.manual_seed(0)
-    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
-    assert generation.stats["rollout/turns"] > 1  # some episodes call the tool, then answer
+    agent_episodes(module)  # some call the tool, then answer
     turns = calls.count(("generate", None))
     assert calls == [("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"])] + [("generate", None)] * turns + [("sleep", 2)]
 
@@ -495,15 +488,5 @@ def test_with_sleep_mode_an_agents_round_pushes_the_weights_once_and_sleeps_afte
 def test_agent_episodes_run_through_vllm_turn_by_turn_with_the_sampler_s_log_probs_on_the_policy_s_tokens():
     """Each turn is one request of token ids: the episode's rows carry vLLM's log-probs on the policy's tokens (equal to
     the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
-    from lit_cancel.agents import ToolAdditionTask
-
     module = RLModule("embedded:tiny-agent", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=23)
-    task = ToolAdditionTask(train_size=16, val_size=2)
-    records = task.train_records()[:4]
-    encoded = encode_prompts(module.tokenizer, records)
-    torch.manual_seed(0)
-    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
-    replies = generation.attention_mask[:, generation.prompt_length:].bool() & ~generation.completion_mask.bool()
-    assert replies.any() and generation.stats["rollout/turns"] > 1
-    assert (generation.sampler_logprobs[replies] == 0).all()
-    assert mismatch(module, generation) < TOLERANCE
+    assert mismatch(module, agent_episodes(module)) < TOLERANCE

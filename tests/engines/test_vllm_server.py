@@ -27,6 +27,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from conftest import agent_episodes  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
@@ -447,18 +448,8 @@ def train_quickstart(config: str, tmp_path) -> tuple:
 def test_agent_episodes_run_on_a_server_turn_by_turn_with_its_log_probs_on_the_policys_tokens(server):
     """Each turn is one request of token ids to the server: the episode's rows carry the server's log-probs on the policy's
     tokens (equal to the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
-    from lit_cancel.agents import ToolAdditionTask
-
     module = RLModule("embedded:tiny-agent", engine=VLLMServerEngine(urls=[server]), max_new_tokens=23)  # the adder's shapes
-    task = ToolAdditionTask(train_size=16, val_size=2)
-    records = task.train_records()[:4]
-    encoded = encode_prompts(module.tokenizer, records)
-    torch.manual_seed(0)
-    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
-    replies = generation.attention_mask[:, generation.prompt_length:].bool() & ~generation.completion_mask.bool()
-    assert replies.any() and generation.stats["rollout/turns"] > 1
-    assert (generation.sampler_logprobs[replies] == 0).all()
-    assert mismatch(module, generation) < TOLERANCE
+    assert mismatch(module, agent_episodes(module)) < TOLERANCE
 
 
 def test_the_server_quickstart_raises_held_out_accuracy_and_its_server_stops_at_once_with_requests_in_flight(tmp_path):
