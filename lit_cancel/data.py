@@ -169,6 +169,10 @@ class RolloutDataModule(TaskDataModule):
         if stage == "fit" and self.trainer is not None:
             self.check_prompt_lengths(self.trainer.lightning_module)
 
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            self.producer.stop()
+
     def check_prompt_lengths(self, module: L.LightningModule) -> None:
         """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
         in the context of the module's model (``max_position_embeddings``), or in its engine's ``max_model_len``

@@ -1,7 +1,7 @@
 """What a rollout engine's samples become: token ids cut at their first stop token, masks, texts and the sampler's log-probs."""
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,12 @@ class Generation:
     sampler_steps: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
     rewards: Tensor | None = None
+
+    def to(self, device: torch.device) -> "Generation":
+        """The same completions with their tensors on ``device``."""
+        moved = {name: getattr(self, name).to(device) for name in ("input_ids", "attention_mask", "completion_mask", "sampler_logprobs",
+                                                                   "sampler_steps", "rewards") if getattr(self, name) is not None}
+        return replace(self, **moved)
 
     @classmethod
     def from_sampled(

@@ -180,17 +180,24 @@ class PolicyModule(L.LightningModule):
         if max_new_tokens is not None:
             options = replace(options, max_new_tokens=max_new_tokens)
         request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, validation, keep_engine)
+        sync_seconds = self.sync_engine()
         with gathered(self.policy), self.engine.context(self.device):
-            sync_seconds = 0.0
-            if self.engine_version != self.weights_version:
-                sync_seconds = self.engine.sync(policy)
-                self.engine_version = self.weights_version
             sampled = self.engine.sample(policy, request)
         self.policy.train(was_training)
 
         # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
         sync_seconds += sampled.sync_seconds
         return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
+
+    def sync_engine(self) -> float:
+        """Gives the engine the current weights where it holds older ones; the seconds it took. A rollout does it first;
+        the producer also calls it before it collects rollouts sampled ahead, so that their engine gets each new version."""
+        if self.engine_version == self.weights_version:
+            return 0.0
+        with self.engine.context(self.device):
+            seconds = self.engine.sync(self.policy_weights())
+        self.engine_version = self.weights_version
+        return seconds
 
     def sampling_options(self) -> SamplingOptions:
         """How the engine samples: the module's temperature, top-p, completion length, stop tokens and generation options."""

@@ -8,10 +8,15 @@ enough groups have a reward difference. What it hands on is the round's rows and
 optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business.
 """
 
+import concurrent.futures
+import copy
 import functools
+import random
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -20,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
+from lit_cancel.engines.base import in_background
 from lit_cancel.generation import Generation
 from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
 from lit_cancel.round_warnings import CannotLearnWarnings
@@ -51,6 +57,9 @@ class RolloutPolicy(Protocol):
 
     def release_engine(self) -> None:
         """Lets the engine release what it kept through calls made with ``keep_engine``."""
+
+    def sync_engine(self) -> float:
+        """Gives the engine the current weights where it holds older ones; returns the seconds it took."""
 
     def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
         """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""
@@ -100,6 +109,9 @@ class RolloutProducer:
         self.steps_per_round, self.dynamic_sampling, self.max_prompt_draws = steps_per_round, dynamic_sampling, max_prompt_draws
         self.seed = seed
         self.prompt_draws = 0
+        # draws whose rollouts a task of several engine calls (an agent's episodes) runs ahead, in the background
+        self.ahead: dict[int, Future] = {}
+        self.stopping = threading.Event()
         self.cannot_learn = CannotLearnWarnings()
 
     def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
@@ -151,26 +163,78 @@ class RolloutProducer:
         """Samples and scores the next draw of prompts; returns the rollouts, the seconds spent sampling and syncing the
         engine, and the engine's statistics. An engine that samples ahead is first asked for the draws after it."""
         draw = self.prompt_draws
+        # the engine gets the weights of this round before draws wait for them
+        ahead, synced = self.ahead.pop(draw, None), 0.0
+        if ahead is not None:
+            synced = policy.sync_engine()
         for later in range(draw + 1, draw + 1 + policy.engine.max_staleness):
             self.prefetch(policy, processes, later, rounds_ahead=later - draw)
         records = self.draw_records(draw, processes.rank, processes.world)
-        sampled = sample_groups(
+        batch, seconds, sync_seconds, stats = sample_groups(
             policy, advantages, self.task, records, self.group_size, seed=self.seed_of(processes.rank, draw),
             first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
-            with_old_logprobs=with_old_logprobs,
+            with_old_logprobs=with_old_logprobs, sampled_ahead=ahead,
         )
         self.prompt_draws += 1
-        return sampled
+        return batch, seconds, sync_seconds + synced, stats
 
     def prefetch(self, policy: RolloutPolicy, processes: Processes, draw: int, rounds_ahead: int) -> None:
         """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
         before the one that trains it; that round is at most ``rounds_ahead`` after this one (a round takes one
         draw or more)."""
         engine = policy.engine
-        prompts = encode_prompts(policy.tokenizer, self.draw_records(draw, processes.rank, processes.world))
-        oldest_step = processes.step() + (rounds_ahead - engine.max_staleness) * self.steps_per_round
-        request = SampleRequest(prompts["input_ids"], prompts["attention_mask"], self.group_size, policy.sampling_options())
-        engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), max(oldest_step, 0))
+        records = self.draw_records(draw, processes.rank, processes.world)
+        prompts = encode_prompts(policy.tokenizer, records)
+        oldest_step = max(processes.step() + (rounds_ahead - engine.max_staleness) * self.steps_per_round, 0)
+        if type(self.task).rollout is Task.rollout:
+            request = SampleRequest(prompts["input_ids"], prompts["attention_mask"], self.group_size, policy.sampling_options())
+            engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), oldest_step)
+        elif draw not in self.ahead:
+            # a task that calls the engine several times (an agent's turns, the environment answering between them)
+            ahead = AheadPolicy(policy, oldest_step, random.Random(self.seed_of(processes.rank, draw)), self.stopping)
+            self.ahead[draw] = in_background(self.task.rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
+                                             self.group_size)
+
+    def stop(self, seconds: float = 10.0) -> None:
+        """Stops the rollouts running ahead at their next engine call, waiting up to ``seconds`` for the calls in progress
+        (a trainer whose fit ended leaves nothing running behind it), and drops them."""
+        self.stopping.set()
+        concurrent.futures.wait(list(self.ahead.values()), timeout=seconds)
+        self.ahead, self.stopping = {}, threading.Event()
+
+
+class RolloutsStopped(RuntimeError):
+    """Rollouts sampled ahead were stopped: the producer no longer wants them."""
+
+
+class AheadPolicy:
+    """The policy as a task's rollouts sampled ahead of the trainer, in a background thread, see it: each call is
+    sampled by the engine with the weights it holds of optimizer step ``oldest_step`` or later, waiting for them but
+    never pushing (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`), each row's step recorded; seeds come from
+    ``rng``, not torch's generator, which training uses meanwhile. It decodes with its own copy of the tokenizer, and
+    raises :class:`RolloutsStopped` at a call once ``stopping`` is set.
+    """
+
+    def __init__(self, policy: RolloutPolicy, oldest_step: int, rng: random.Random, stopping: threading.Event) -> None:
+        self.engine, self.oldest_step, self.rng, self.stopping = policy.engine, oldest_step, rng, stopping
+        self.tokenizer = copy.deepcopy(policy.tokenizer)
+        self.stop_token_ids = list(policy.stop_token_ids)
+        self.options = policy.sampling_options()
+
+    def sampling_options(self) -> SamplingOptions:
+        return self.options
+
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
+        if self.stopping.is_set():
+            raise RolloutsStopped("the producer stopped the rollouts it sampled ahead")
+        options = self.options if max_new_tokens is None else replace(self.options, max_new_tokens=max_new_tokens)
+        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy)
+        sampled = self.engine.sample_ahead(request, self.oldest_step, self.rng.randrange(2**30))
+        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, 0.0, self.stop_token_ids)
+
+    def release_engine(self) -> None:
+        return None
 
 
 @functools.lru_cache(maxsize=4)

@@ -11,6 +11,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -122,7 +123,7 @@ def check_reward(task: Task) -> None:
 
 def sample_groups(
     policy, advantages: Callable[[Tensor], Tensor], task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int,
-    round_index: int, with_old_logprobs: bool,
+    round_index: int, with_old_logprobs: bool, sampled_ahead: Future | None = None,
 ) -> tuple[RolloutBatch, float, float, dict[str, float]]:
     """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
     pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
@@ -131,15 +132,18 @@ def sample_groups(
     into advantages of the same shape. Sampling is seeded by ``seed`` without touching the global random state. Rows
     ``i * G .. i * G + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
     old and reference log-probs run in the trainer's precision context, as the training step does,
-    so that the step's first importance ratios are exactly 1.
+    so that the step's first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the
+    background (:meth:`~lit_cancel.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
     """
-    prompts = encode_prompts(policy.tokenizer, records)
-
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
-        torch.manual_seed(seed)
-        generation = task.rollout(policy, records, prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device),
-                                  group_size)
+    if sampled_ahead is not None:
+        generation = sampled_ahead.result().to(policy.device)
+    else:
+        prompts = encode_prompts(policy.tokenizer, records)
+        with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
+            torch.manual_seed(seed)
+            generation = task.rollout(policy, records, prompts["input_ids"].to(policy.device),
+                                      prompts["attention_mask"].to(policy.device), group_size)
     seconds = time.perf_counter() - started
 
     repeated = [r for r in records for _ in range(group_size)]

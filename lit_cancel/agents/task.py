@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.agents.environment import Environment
 from lit_cancel.agents.episodes import EpisodeLimits, run_episodes
 from lit_cancel.agents.trl_environment import from_trl_factory
+from lit_cancel.engines import RolloutEngine
 from lit_cancel.generation import Generation
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.tasks import Record, Task
@@ -48,13 +49,15 @@ class AgentTask(Task):
         return [(self.solutions(record)[0], "")]
 
     def check_engine(self, engine: object) -> None:
-        """Raises ValueError when ``engine`` samples ahead of the trainer (``max_staleness`` > 0): an episode's later
-        turns depend on the environment's answers, which such an engine does not have."""
+        """Raises ValueError when ``engine`` samples ahead of the trainer (``max_staleness`` > 0) but cannot sample an
+        episode's turns ahead (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`): the producer runs such episodes
+        in the background, each turn sampled by the weights the engine then holds."""
         staleness = getattr(engine, "max_staleness", 0)
-        if staleness > 0:
+        if staleness > 0 and type(engine).sample_ahead is RolloutEngine.sample_ahead:
             raise ValueError(
-                f"{type(self).__name__} runs episodes turn by turn, which an engine sampling ahead cannot "
-                f"(model.init_args.engine has max_staleness={staleness}); set max_staleness: 0"
+                f"{type(self).__name__} runs episodes turn by turn, which {type(engine).__name__} cannot sample ahead of the "
+                f"trainer (model.init_args.engine has max_staleness={staleness}); set max_staleness: 0, or use "
+                "lit_cancel.VLLMServerEngine"
             )
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,

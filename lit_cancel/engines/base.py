@@ -18,8 +18,10 @@ weights reports its sampling log-probs, so the objective can measure and correct
 (see :mod:`lit_cancel.objectives.corrections`).
 """
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -128,6 +130,20 @@ class PolicyWeights:
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def in_background(function: Callable, *args) -> Future:
+    """``function(*args)`` in a daemon thread: a trainer that stops does not wait for it (a server's answer, an episode)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to the thread that reads the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
 class RolloutEngine(ABC):
     """Samples completions of left-padded prompts for a :class:`~lit_cancel.PolicyModule`.
 
@@ -174,6 +190,13 @@ class RolloutEngine(ABC):
     def prefetch(self, policy: PolicyWeights, request: SampleRequest, seed: int, oldest_step: int) -> None:
         """Starts sampling, in the background, what :meth:`sample` will be asked for next under ``torch.manual_seed(seed)``,
         with weights of optimizer step ``oldest_step`` or later. Called only when :attr:`max_staleness` is above 0."""
+        raise NotImplementedError(f"{type(self).__name__} samples on demand: its max_staleness is 0")
+
+    def sample_ahead(self, request: SampleRequest, oldest_step: int, first_seed: int) -> Sampled:
+        """Samples ``request`` now, from a background thread, with the weights the engine holds once they are of optimizer
+        step ``oldest_step`` or later (it waits for them, never pushes), each row's step in ``steps``; prompt ``i`` is
+        seeded ``first_seed + i * num_samples``. The producer calls it for each turn of an agent's episodes sampled ahead
+        of the trainer (the engine's :meth:`prefetch` samples single completions ahead)."""
         raise NotImplementedError(f"{type(self).__name__} samples on demand: its max_staleness is 0")
 
     def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:

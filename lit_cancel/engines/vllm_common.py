@@ -110,10 +110,10 @@ def sampling_options(generation_kwargs: dict) -> dict:
     return options
 
 
-def prompt_seeds(prompts: int, num_samples: int) -> list[int]:
-    """The sampling seed of each prompt's request, drawn from torch's generator. vLLM seeds sample k of a request with
-    seed + k: each prompt gets its own range, or all prompts would draw the same random numbers."""
-    first_seed = int(torch.randint(2**30, ()))
+def prompt_seeds(prompts: int, num_samples: int, first_seed: int | None = None) -> list[int]:
+    """The sampling seed of each prompt's request, from ``first_seed`` (drawn from torch's generator when None). vLLM seeds
+    sample k of a request with seed + k: each prompt gets its own range, or all prompts would draw the same random numbers."""
+    first_seed = int(torch.randint(2**30, ())) if first_seed is None else first_seed
     return [first_seed + index * num_samples for index in range(prompts)]
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions, in_background
 from lit_cancel.engines.launched_server import LaunchedServer, write_weights
 from lit_cancel.engines.server_messages import (
     RolloutRequest,
@@ -52,20 +52,6 @@ from lit_cancel.engines.vllm_common import (
 _ENGINE_KEY = "model.init_args.engine.init_args"
 
 
-def _in_background(function, *args) -> Future:
-    """``function(*args)`` in a daemon thread: a stopped trainer does not wait for a server's answer to exit."""
-    future: Future = Future()
-
-    def run():
-        try:
-            future.set_result(function(*args))
-        except BaseException as error:  # noqa: BLE001 - handed to the thread that reads the result
-            future.set_exception(error)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
-
-
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -73,7 +59,7 @@ def _rank() -> int:
 def load_everywhere(folder: str, label: str, clients: list[ServerClient]) -> None:
     """Has every server load the weights in ``folder`` as the version ``label``, all at once; a server that is down is
     skipped: it gets the weights when it answers again (VLLMServerEngine._current)."""
-    loads = [_in_background(client.load_weights, folder, label) for client in clients]
+    loads = [in_background(client.load_weights, folder, label) for client in clients]
     for load in loads:
         try:
             load.result()
@@ -99,15 +85,16 @@ def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str,
         torch.distributed.barrier()
 
 
-def group_requests(request: SampleRequest, oldest_step: int) -> tuple[RolloutRequest, ...]:
+def group_requests(request: SampleRequest, oldest_step: int, first_seed: int | None = None) -> tuple[RolloutRequest, ...]:
     """One server request per prompt of ``request``, each seeded as :class:`~lit_cancel.VLLMEngine` seeds its prompts
-    (so both engines draw the same random numbers), from weights of step ``oldest_step`` or later."""
+    (so both engines draw the same random numbers; from ``first_seed`` where given), from weights of step
+    ``oldest_step`` or later."""
     options = request.options
     sampling = ServerSampling(
         options.temperature, options.top_p, options.max_new_tokens, options.stop_token_ids, request.greedy,
         tuple(sorted(sampling_options(options.generation_kwargs).items())),
     )
-    seeds = prompt_seeds(len(request.input_ids), request.num_samples)
+    seeds = prompt_seeds(len(request.input_ids), request.num_samples, first_seed)
     return tuple(
         RolloutRequest(tuple(ids[mask.bool()].tolist()), request.num_samples, sampling, None if request.greedy else seed, oldest_step)
         for ids, mask, seed in zip(request.input_ids.cpu(), request.attention_mask.cpu(), seeds, strict=True)
@@ -329,7 +316,7 @@ class VLLMServerEngine(RolloutEngine):
         with self.version_changed:
             self.version_changed.wait_for(lambda: self.closed or (self.step is not None and self.step >= requests[0].oldest_step))
         waited = time.perf_counter() - waited
-        futures = [_in_background(self._generate, request) for request in requests]
+        futures = [in_background(self._generate, request) for request in requests]
         return [future.result() for future in futures], waited
 
     def prefetch(self, policy: PolicyWeights, request: SampleRequest, seed: int, oldest_step: int) -> None:
@@ -340,7 +327,7 @@ class VLLMServerEngine(RolloutEngine):
             requests = group_requests(request, oldest_step)
         key = tuple((r.prompt_ids, r.seed) for r in requests)
         if key not in self.ahead:
-            self.ahead[key] = (_in_background(self._draw, requests), oldest_step)
+            self.ahead[key] = (in_background(self._draw, requests), oldest_step)
 
     def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         if self.step is None:  # closed since the last push
@@ -357,10 +344,19 @@ class VLLMServerEngine(RolloutEngine):
         stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait}
         if self.max_staleness:
             stats["rollout/queue_depth"] = float(queued)
-        num_samples = request.num_samples
-        completions = [ids for result in results for ids in result.completion_ids]
-        logprobs = None if request.greedy else [values for result in results for values in result.logprobs]
-        steps = torch.tensor([result.step for result in results]).repeat_interleave(num_samples)
-        return sampled_completions(
-            request.input_ids, num_samples, completions, logprobs, request.options.pad_token_id, steps=steps, stats=stats
-        )
+        return completions_of(request, results, stats)
+
+    def sample_ahead(self, request: SampleRequest, oldest_step: int, first_seed: int) -> Sampled:
+        results, server_wait = self._draw(group_requests(request, oldest_step, first_seed))
+        return completions_of(request, results, {"perf/server_wait_s": server_wait})
+
+
+def completions_of(request: SampleRequest, results: list[RolloutResult], stats: dict[str, float]) -> Sampled:
+    """The servers' ``results`` of ``request``'s prompts as one :class:`Sampled`, with ``stats``."""
+    num_samples = request.num_samples
+    completions = [ids for result in results for ids in result.completion_ids]
+    logprobs = None if request.greedy else [values for result in results for values in result.logprobs]
+    steps = torch.tensor([result.step for result in results]).repeat_interleave(num_samples)
+    return sampled_completions(
+        request.input_ids, num_samples, completions, logprobs, request.options.pad_token_id, steps=steps, stats=stats
+    )

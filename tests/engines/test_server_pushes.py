@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from lit_cancel import VLLMServerEngine
+from lit_cancel.engines.base import in_background
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, version_label
 from lit_cancel.engines.server_process import ServerClient, free_port
-from lit_cancel.engines.vllm_servers import _in_background, push_weights
+from lit_cancel.engines.vllm_servers import push_weights
 
 RUN = "run"
 REQUEST = RolloutRequest((5, 6), 2, ServerSampling(1.0, 1.0, 1, (1,)), seed=0, oldest_step=1)
@@ -128,9 +129,9 @@ def test_a_process_one_version_behind_leaves_a_newer_push_alone_while_it_loads_a
         server.reloaded = lambda folder: loading.wait(10) if folder == new else None
         rank0, rank1 = engine_at(url, 1, old), engine_at(url, 1, old)
 
-        push = _in_background(push_weights, WEIGHTS, new, "run/2", rank0.clients)
+        push = in_background(push_weights, WEIGHTS, new, "run/2", rank0.clients)
         server.wait_for(lambda s: s.label == "run/2:loading")
-        draw = _in_background(rank1._generate, REQUEST)  # a request of rank 1's, sent again during rank 0's push
+        draw = in_background(rank1._generate, REQUEST)  # a request of rank 1's, sent again during rank 0's push
         server.wait_for(lambda s: s.generations == 1)  # held while the server is paused
         assert server.reloads == [new]
 

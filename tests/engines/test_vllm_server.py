@@ -4,6 +4,7 @@ asynchronous rollouts, faults, and two trainer nodes sharing one server. Run in 
     pytest tests/engines/test_vllm_server.py
 """
 
+import copy
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ from conftest import agent_episodes  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
+from lit_cancel.agents import ToolAdditionTask  # noqa: E402
 from lit_cancel.engines.launched_server import write_weights  # noqa: E402
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result  # noqa: E402
 from lit_cancel.engines.server_process import (  # noqa: E402
@@ -45,6 +47,7 @@ from lit_cancel.engines.server_process import (  # noqa: E402
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
 from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
 from lit_cancel.hub import resolve_model_path  # noqa: E402
+from lit_cancel.logprobs import completion_logprobs  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 
 CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-server.yaml"
@@ -450,6 +453,45 @@ def test_agent_episodes_run_on_a_server_turn_by_turn_with_its_log_probs_on_the_p
     tokens (equal to the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
     module = RLModule("embedded:tiny-agent", engine=VLLMServerEngine(urls=[server]), max_new_tokens=23)  # the adder's shapes
     assert mismatch(module, agent_episodes(module)) < TOLERANCE
+
+
+class Versions(L.Callback):
+    """The policy's weights at each optimizer step, and each trained batch with the step that trained it."""
+
+    def __init__(self):
+        self.versions, self.trained = {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.versions[trainer.global_step] = copy.deepcopy(pl_module.policy)
+        self.trained.append((trainer.global_step, batch))
+
+
+def test_agent_episodes_sampled_ahead_on_a_server_train_a_round_late_each_token_with_its_weights_log_prob(server):
+    """With max_staleness 1 the next draw's episodes run in the background, turn by turn on the server; each policy token
+    carries the log-prob of the weights the server held for its turn, the tool's replies none."""
+    torch.manual_seed(0)
+    engine = VLLMServerEngine(urls=[server], max_staleness=1)
+    module = RLModule("embedded:tiny-agent", engine=engine, max_new_tokens=23, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    data = RolloutDataModule(ToolAdditionTask(train_size=64, val_size=4), prompts_per_round=4, group_size=4)
+    versions = Versions()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[versions])
+    trainer.fit(module, datamodule=data)
+    stale = 0
+    for step, batch in versions.trained:
+        behind = step - batch.sampler_steps
+        assert (behind >= 0).all() and (behind <= 1).all()
+        stale += int((behind == 1).any())
+        replies = batch.attention_mask[:, batch.prompt_length:].bool() & ~batch.completion_mask.bool()
+        assert replies.any() and (batch.sampler_logprobs[replies] == 0).all()
+        closest = torch.full_like(batch.sampler_logprobs, float("inf"))
+        for version in range(int(batch.sampler_steps.min()), step + 1):
+            with torch.no_grad():
+                logprobs, _ = versions.versions[version](completion_logprobs, batch.input_ids, batch.attention_mask,
+                                                         batch.prompt_length)
+            closest = torch.minimum(closest, (logprobs - batch.sampler_logprobs).abs())
+        assert closest[batch.completion_mask.bool()].max() < TOLERANCE
+    assert stale >= 1
 
 
 def test_the_server_quickstart_raises_held_out_accuracy_and_its_server_stops_at_once_with_requests_in_flight(tmp_path):
