@@ -78,7 +78,9 @@ def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any
     return values
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
+def shared_positions(
+    tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None, prompts: Tensor | None = None
+) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
     A group's shared positions are its longest common prefix, the single path of its prefix trie
@@ -87,7 +89,9 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_ma
     the context but not in ``mask``. Members agree at a position that all of them hold in their
     context, with the same token, from the same source (all in ``mask`` or none), so a prefix runs
     on through an observation they share; of that prefix only the ``mask`` positions are marked, the
-    tokens that get credit. Groups with one member in the batch have no shared positions.
+    tokens that get credit. Groups with one member in the batch have no shared positions, nor do
+    groups whose members' ``prompts`` differ, where given (``[B, P]``, ``input_ids[:, :P]``): an
+    environment whose opening text differs per episode gives a group's episodes different contexts.
     """
     context = mask if context_mask is None else context_mask
     _, group = torch.unique(group_ids, return_inverse=True)
@@ -96,6 +100,8 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_ma
     first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
     credited = mask.bool()
     agrees = ((tokens == tokens[first_row]) & (credited == credited[first_row]) & context.bool()).long()
+    if prompts is not None:
+        agrees *= (prompts == prompts[first_row]).all(1, keepdim=True).long()
     everyone = torch.ones(groups, tokens.shape[1], dtype=torch.long, device=tokens.device)
     everyone = everyone.scatter_reduce(0, group.unsqueeze(1).expand_as(agrees), agrees, reduce="amin")
     members = torch.bincount(group, minlength=groups)
@@ -157,11 +163,12 @@ class StepSnapshot:
 
 
 def uncancelled_credit(
-    credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None
+    credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None,
+    prompts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(uncancelled, total)``: ``sum_groups sum_shared |sum_i c_it|`` and ``sum |c_it|`` (``context_mask`` as in
-    :func:`shared_positions`)."""
-    shared = shared_positions(tokens, mask, group_ids, context_mask)
+    """``(uncancelled, total)``: ``sum_groups sum_shared |sum_i c_it|`` and ``sum |c_it|`` (``context_mask`` and
+    ``prompts`` as in :func:`shared_positions`)."""
+    shared = shared_positions(tokens, mask, group_ids, context_mask, prompts)
     _, group = torch.unique(group_ids, return_inverse=True)
     per_group = torch.zeros(int(group.max()) + 1, credits.shape[1], dtype=credits.dtype, device=credits.device)
     per_group.index_add_(0, group, credits * shared)
@@ -169,16 +176,17 @@ def uncancelled_credit(
 
 
 def shared_contexts(
-    tokens: Tensor, mask: Tensor, group_ids: Tensor, prompt_length: int, context_mask: Tensor | None = None
+    tokens: Tensor, mask: Tensor, group_ids: Tensor, prompt_length: int, context_mask: Tensor | None = None,
+    prompts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(rows, positions)``: one representative row per group, and the ``[N, 2]`` ``(row in rows, position)``
-    of the sequence positions that predict its shared completion tokens (``context_mask`` as in
+    of the sequence positions that predict its shared completion tokens (``context_mask`` and ``prompts`` as in
     :func:`shared_positions`: the environment's tokens of an episode are context, never predicted).
 
     A row with no shared context stands in when the batch has none, so that every process runs the
     same passes (sharded models gather parameters in each).
     """
-    shared = shared_positions(tokens, mask, group_ids, context_mask)
+    shared = shared_positions(tokens, mask, group_ids, context_mask, prompts)
     _, group = torch.unique(group_ids, return_inverse=True)
     index = torch.arange(len(group), device=group.device)
     first_row = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(0, group, index, reduce="amin")
@@ -315,8 +323,9 @@ class LearningTaxMonitor(Callback):
         if self._measures_kl(self._step):
             fields = read_contract("LearningTaxMonitor", KL_CONTRACT, outputs, batch)
             prompt_length = fields["prompt_length"]
-            tokens, context = fields["input_ids"][:, prompt_length:], fields["attention_mask"][:, prompt_length:]
-            rows, positions = shared_contexts(tokens, fields["completion_mask"], fields["group_ids"], prompt_length, context)
+            prompts, tokens = fields["input_ids"][:, :prompt_length], fields["input_ids"][:, prompt_length:]
+            context = fields["attention_mask"][:, prompt_length:]
+            rows, positions = shared_contexts(tokens, fields["completion_mask"], fields["group_ids"], prompt_length, context, prompts)
             self._contexts.append((fields["input_ids"][rows], fields["attention_mask"][rows], positions))
             if completes_step:
                 self._measure_kl(trainer, pl_module)
@@ -331,13 +340,14 @@ class LearningTaxMonitor(Callback):
         ) is not None
         fields = read_contract("LearningTaxMonitor", {**CONTRACT, **(COMPLETION_IDS if has_ids else SEQUENCES)}, outputs, batch)
         if has_ids:
-            tokens, context = fields["completion_ids"], None
+            tokens, context, prompts = fields["completion_ids"], None, None
         else:
             tokens, context = (fields[key][:, fields["prompt_length"] :] for key in ("input_ids", "attention_mask"))
+            prompts = fields["input_ids"][:, : fields["prompt_length"]]
         credits, mask = fields["credits"].detach(), fields["completion_mask"]
         finite = torch.isfinite(credits)
         self._nonfinite.update((~finite & mask.bool()).sum())
-        uncancelled, total = uncancelled_credit(credits.masked_fill(~finite, 0.0), tokens, mask, fields["group_ids"], context)
+        uncancelled, total = uncancelled_credit(credits.masked_fill(~finite, 0.0), tokens, mask, fields["group_ids"], context, prompts)
         self._step_has_group = self._step_has_group or bool((torch.unique(fields["group_ids"], return_counts=True)[1] > 1).any())
         self._uncancelled.update(uncancelled)
         self._total.update(total)

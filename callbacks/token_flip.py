@@ -78,7 +78,9 @@ def read_contract(owner: str, contract: dict[str, str], outputs: Any, batch: Any
     return values
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
+def shared_positions(
+    tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None, prompts: Tensor | None = None
+) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
     A group's shared positions are its longest common prefix, the single path of its prefix trie
@@ -87,7 +89,9 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_ma
     the context but not in ``mask``. Members agree at a position that all of them hold in their
     context, with the same token, from the same source (all in ``mask`` or none), so a prefix runs
     on through an observation they share; of that prefix only the ``mask`` positions are marked, the
-    tokens that get credit. Groups with one member in the batch have no shared positions.
+    tokens that get credit. Groups with one member in the batch have no shared positions, nor do
+    groups whose members' ``prompts`` differ, where given (``[B, P]``, ``input_ids[:, :P]``): an
+    environment whose opening text differs per episode gives a group's episodes different contexts.
     """
     context = mask if context_mask is None else context_mask
     _, group = torch.unique(group_ids, return_inverse=True)
@@ -96,6 +100,8 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_ma
     first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
     credited = mask.bool()
     agrees = ((tokens == tokens[first_row]) & (credited == credited[first_row]) & context.bool()).long()
+    if prompts is not None:
+        agrees *= (prompts == prompts[first_row]).all(1, keepdim=True).long()
     everyone = torch.ones(groups, tokens.shape[1], dtype=torch.long, device=tokens.device)
     everyone = everyone.scatter_reduce(0, group.unsqueeze(1).expand_as(agrees), agrees, reduce="amin")
     members = torch.bincount(group, minlength=groups)
@@ -316,7 +322,8 @@ class TokenFlipMonitor(Callback):
             mask = fields["completion_mask"].bool()
             delta = (new.float() - old.float()).masked_fill(~mask, 0.0)
             completion_ids, context = (fields[key][:, fields["prompt_length"] :] for key in ("input_ids", "attention_mask"))
-            shared = shared_positions(completion_ids, mask, fields["group_ids"], context)
+            prompts = fields["input_ids"][:, : fields["prompt_length"]]
+            shared = shared_positions(completion_ids, mask, fields["group_ids"], context, prompts)
             advantages = fields["advantages"].unsqueeze(1)
             splits = {
                 "positive": mask & (advantages > 0), "negative": mask & (advantages < 0),

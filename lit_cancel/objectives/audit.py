@@ -63,13 +63,16 @@ OLD_NAMES = {
 CREDIT_RTOL = 1e-4
 
 
-def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> Tensor:
+def shared_positions(
+    tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None, prompts: Tensor | None = None
+) -> Tensor:
     """``[B, C]`` mask of the completion positions whose prefix and token every member of the row's group shares.
 
     A group's shared positions are its longest common prefix over the context, ``context_mask``
     (``mask`` when None; a multi-turn episode's environment tokens are context, not ``mask``): the
     members agree where all of them hold a context token, the same, from the same source. Only the
-    prefix's ``mask`` positions are marked. Groups with one member have none.
+    prefix's ``mask`` positions are marked. Groups with one member have none, nor do groups whose members'
+    ``prompts`` (``[B, P]``, where given) differ.
     """
     context = mask if context_mask is None else context_mask
     shared = torch.zeros_like(tokens, dtype=torch.bool)
@@ -79,14 +82,17 @@ def shared_positions(tokens: Tensor, mask: Tensor, group_ids: Tensor, context_ma
             continue
         members, credited = tokens[rows], mask[rows].bool()
         agrees = (members == members[0]).all(0) & (credited == credited[0]).all(0) & context[rows].bool().all(0)
+        if prompts is not None and not (prompts[rows] == prompts[rows][0]).all():
+            continue
         shared[rows] = agrees.long().cumprod(0).bool() & credited
     return shared
 
 
-def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None) -> float:
-    """The share of absolute credit left uncancelled on positions a whole group shares (``context_mask`` as in
-    :func:`shared_positions`)."""
-    shared = shared_positions(tokens, mask, group_ids, context_mask)
+def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tensor, context_mask: Tensor | None = None,
+                 prompts: Tensor | None = None) -> float:
+    """The share of absolute credit left uncancelled on positions a whole group shares (``context_mask`` and ``prompts``
+    as in :func:`shared_positions`)."""
+    shared = shared_positions(tokens, mask, group_ids, context_mask, prompts)
     total = credits.abs().sum()
     if total == 0:
         return 0.0

@@ -7,6 +7,8 @@ from lit_cancel.callbacks import LearningTaxMonitor, TokenFlipMonitor, token_fli
 from lit_cancel.callbacks import learning_tax as tax_callback
 from test_callbacks import BigramPolicy, fit, shared_context_kl
 
+from lit_cancel.objectives import audit
+
 COPIES = [tax_callback.shared_positions, token_flip.shared_positions]
 
 # group 0, three episodes: a first turn 5 6 7, the environment's 2 2, then second turns 8 9 / 8 4 4 / 8 1, all starting with 8;
@@ -53,6 +55,18 @@ def test_without_a_context_the_prefix_is_the_policys_tokens_up_to_the_first_hole
     assert shared_positions(tokens, mask, groups, mask).long().tolist() == expected
 
 
+@pytest.mark.parametrize("shared_positions", [*COPIES, audit.shared_positions], ids=["learning_tax", "token_flip", "audit"])
+def test_a_group_whose_episodes_opened_with_different_prompts_shares_nothing(shared_positions):
+    """An environment whose opening text differs per episode: the same turns follow different contexts."""
+    prompts = torch.tensor([[0, 1, 3]] * 8)
+    prompts[1] = torch.tensor([1, 3, 4])  # group 0's second episode opened with one more token
+    shared = shared_positions(TOKENS, MASK, GROUPS, CONTEXT, prompts)
+    assert not shared[:3].any()
+    assert torch.equal(shared[3:], shared_positions(TOKENS, MASK, GROUPS, CONTEXT)[3:])
+    assert torch.equal(shared_positions(TOKENS, MASK, GROUPS, CONTEXT, torch.ones(8, 3, dtype=torch.long)),
+                       shared_positions(TOKENS, MASK, GROUPS, CONTEXT))
+
+
 def episode_group(credits: list[list[float]]) -> dict:
     """One group of two episodes after the prompt [1, 3]: a turn 5 6, the environment's 2 2, a second turn 7 8 / 7 10."""
     completions = torch.tensor([[5, 6, 2, 2, 7, 8], [5, 6, 2, 2, 7, 10]])
@@ -72,6 +86,14 @@ def test_learning_tax_and_shared_kl_count_the_second_turns_shared_first_token():
     assert monitor.last_tax == pytest.approx(0.75 / 3.65)
     # the shared contexts: after 3 (net credit 0), after 5 (0.25 on 6) and after the observation's last 2 (0.5 on 7)
     assert monitor.last_shared_kl == pytest.approx((shared_context_kl(0.25) + shared_context_kl(0.5)) / 3, rel=1e-5)
+
+
+def test_learning_tax_is_zero_where_the_episodes_prompts_differ():
+    monitor = LearningTaxMonitor()
+    group = episode_group([[0.5, 0.5, 0.0, 0.0, 1.0, 0.2], [-0.5, -0.25, 0.0, 0.0, -0.5, -0.2]])
+    group["input_ids"][1, 1] = 4  # the second episode's opening differs: its turns follow another context
+    fit(BigramPolicy([group]), [monitor], 1)
+    assert monitor.last_tax == 0.0
 
 
 def test_token_flip_counts_the_second_turns_shared_first_token_as_shared():
