@@ -112,11 +112,11 @@ def check_kept_rows(kept, ids, mask, sequences, num_samples):
     last unless the loop wrote it (it samples a token, then writes it in the next step, unless the row leaves the batch
     or the call ends), and its keys and values at them."""
     rows = [turn_tokens(ids, mask, sequences, row, num_samples) for row in range(len(sequences))]
-    got = sorted(row.tokens.tolist() for row in kept.rows)
+    got = sorted(row[row >= 0].tolist() for row in kept.tokens)
     assert len(got) == len(rows)
     for tokens in rows:
         assert tokens in got or tokens[:-1] in got
-    assert all(part.shape[1] == len(row.tokens) for row in kept.rows for part in row.keys + row.values)
+    assert all(part.shape[0] == len(rows) for part in kept.keys + kept.values)
 
 
 def continue_rows(ids, mask, sequences, rows, suffixes):
@@ -135,8 +135,8 @@ def two_turns(model, keep, greedy, recorder=None):
     if keep:
         check_kept_rows(kept, ids, mask, first, 1)
         # the kept rows that the continued rows start with
-        expected_reuse = sum(len(row.tokens) for row in kept.rows
-                             for continued in ROWS if continued is not None and row.tokens[0] == prompts[continued][0])
+        expected_reuse = sum(int((row >= 0).sum()) for row in kept.tokens
+                             for continued in ROWS if continued is not None and row[0] == prompts[continued][0])
     next_ids, next_mask = continue_rows(ids, mask, first, ROWS, SUFFIXES)
     processors = logits_processors({}, 1.0, 1.0, greedy=greedy)
     if recorder is not None:
