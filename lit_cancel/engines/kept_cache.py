@@ -117,8 +117,8 @@ class KeptCache:
         prefilled = self._prefill_mask.shape[1]
         written = cache.layers[0].get_seq_length() - prefilled
         completions = sequences[sequence_rows, self._prompt_length : self._prompt_length + written]
-        stopped = torch.isin(completions, self._stops)
-        counts = torch.where(stopped.any(1), stopped.long().argmax(1) + 1, written)
+        stopped = torch.isin(completions, self._stops).long()
+        counts = (stopped.cumsum(1) - stopped == 0).sum(1)  # up to the first stop token, which is kept
         prompt_rows = sequence_rows // self._num_samples
         valid = torch.cat([self._prefill_mask[prompt_rows], below(counts, written)], 1)
         tokens = torch.cat([self._layout[prompt_rows], completions], 1)

@@ -161,6 +161,20 @@ def test_rows_are_matched_by_their_tokens_a_new_row_is_prefilled_whole_and_greed
     check_kept_rows(kept, ids, mask, with_cache, 2)
 
 
+def test_a_call_of_one_token_a_row_keeps_its_contexts_and_the_next_call_continues_them(agent):
+    model = agent.policy.model
+    ids, mask = padded([[5, 7, 9, 4, 6], [7, 7, 8]], 0, left=True)
+    kept = KeptCache(step=0)
+    greedy = logits_processors({}, 1.0, 1.0, greedy=True)
+    first = sample_completions(model, ids, mask, 1, 1, [EOS], 0, greedy, greedy=True, kept=kept)
+    # the loop sampled one token a row and wrote none
+    assert sorted(row[row >= 0].tolist() for row in kept.tokens) == [[5, 7, 9, 4, 6], [7, 7, 8]]
+    next_ids, next_mask = padded([turn_tokens(ids, mask, first, row) + [4] for row in (1, 0)], 0, left=True)
+    second = sample_completions(model, next_ids, next_mask, 1, 5, [EOS], 0, greedy, greedy=True, kept=kept)
+    assert kept.reused_tokens == 3 + 5
+    assert torch.equal(second, sample_completions(model, next_ids, next_mask, 1, 5, [EOS], 0, greedy, greedy=True))
+
+
 def test_each_step_with_the_kept_cache_gives_the_distribution_of_a_full_forward_pass(agent):
     """Sampled log-probs: every step's distribution, from the reused keys, the new tokens' prefill and the decode steps,
     is the one a forward pass over the whole sequence gives at that position."""
