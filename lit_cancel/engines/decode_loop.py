@@ -9,7 +9,8 @@ batch so that tokens after a stop token cost nothing. Its cache is written in pl
 double when full (only the rows still decoding move): ``generate``'s cache concatenates every layer's keys and values
 at every step, a copy that grows with the sequence (10% of decoding time at 24 M parameters and
 128 new tokens on a 2-core CPU). It samples exactly as ``generate`` does (the same logits
-processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens.
+processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens. Through an agent's
+turns it keeps its cache (:mod:`lit_cancel.engines.kept_cache`): each turn prefills only what the episodes added.
 
 Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and generation options
 outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
