@@ -9,7 +9,7 @@ import torch
 
 from lit_cancel import RLModule
 from lit_cancel.agents import ToolAdditionTask
-from lit_cancel.engines import DecodeLoop
+from lit_cancel.engines import DecodeLoop, SampleRequest
 from lit_cancel.engines.decode_loop import logits_processors, sample_completions
 from lit_cancel.engines.kept_cache import KeptCache
 from lit_cancel.generation import padded
@@ -194,7 +194,7 @@ def test_each_step_with_the_kept_cache_gives_the_distribution_of_a_full_forward_
     assert checked >= len(sequences) * 2
 
 
-def test_the_cache_is_dropped_when_the_weights_change_when_released_and_at_a_call_without_keep(agent):
+def test_the_cache_is_dropped_when_the_weights_change_when_released_and_at_a_call_without_keep():
     engine = Turns()
     module = RLModule("embedded:tiny-agent", max_new_tokens=6, engine=engine).eval()
     prompt = module.tokenizer(["12345+67890=", "5+5="], return_tensors="pt", padding=True)
@@ -204,7 +204,8 @@ def test_the_cache_is_dropped_when_the_weights_change_when_released_and_at_a_cal
         """The reused tokens of a call continuing the last one's rows, after ``between()``."""
         first = module.rollout(ids, mask, 1, True, keep_engine=True)
         between()
-        module.rollout(first.input_ids, first.attention_mask, 1, True, keep_engine=True)
+        turns = [row[attended.bool()].tolist() for row, attended in zip(first.input_ids, first.attention_mask)]
+        module.rollout(*padded(turns, module.tokenizer.pad_token_id, left=True), 1, True, keep_engine=True)
         return engine.calls[-1][1]["perf/kv_reused_tokens"]
 
     prompt_tokens = int(mask.sum())
@@ -220,12 +221,6 @@ def test_the_cache_is_dropped_when_the_weights_change_when_released_and_at_a_cal
     module.rollout(ids, mask, 1, True, keep_engine=True)
     # a policy whose optimizer step differs from the cache's, without a sync (an engine that holds no weights)
     later = dataclasses.replace(module.policy_weights(), step=step + 1)
-    request = dataclasses.replace(engine_request(module, ids, mask), keep=True)
+    request = SampleRequest(ids, mask, 1, module.sampling_options(), greedy=True, keep=True)
     assert engine.sample(later, request).stats["perf/kv_reused_tokens"] == 0
     assert engine.kept.step == step + 1
-
-
-def engine_request(module, ids, mask):
-    from lit_cancel.engines import SampleRequest
-
-    return SampleRequest(ids, mask, 1, module.sampling_options(), greedy=True)
