@@ -9,7 +9,8 @@ batch so that tokens after a stop token cost nothing. Its cache is written in pl
 double when full (only the rows still decoding move): ``generate``'s cache concatenates every layer's keys and values
 at every step, a copy that grows with the sequence (10% of decoding time at 24 M parameters and
 128 new tokens on a 2-core CPU). It samples exactly as ``generate`` does (the same logits
-processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens.
+processors, in the same order, then ``torch.multinomial``): greedy decoding gives the same tokens. Through an agent's
+turns it keeps its cache (:mod:`lit_cancel.engines.kept_cache`): each turn prefills only what the episodes added.
 
 Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and generation options
 outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
@@ -17,6 +18,7 @@ outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
 
 import inspect
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +33,7 @@ from transformers.generation.logits_process import (
 )
 
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest
-from lit_cancel.logprobs import position_ids_from_mask
+from lit_cancel.engines.kept_cache import KeptCache, Prefill
 
 DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 DECODE_LOOP_OPTIONS = frozenset({"suppress_tokens", "top_k", "min_p"})
@@ -151,6 +153,7 @@ def sample_completions(
     pad_token_id: int,
     processors: LogitsProcessorList,
     greedy: bool = False,
+    kept: KeptCache | None = None,
 ) -> Tensor:
     """``[B * n, P + C]`` prompts followed by sampled completions, as ``generate(num_return_sequences=n)`` returns them.
 
@@ -168,21 +171,27 @@ def sample_completions(
         pad_token_id: written after the stop token.
         processors: applied to each step's logits (see :func:`logits_processors`).
         greedy: take the most likely token instead of sampling.
+        kept: the cache kept from the last call, whose rows the prompts may continue; it keeps this call's rows in turn.
     """
     batch, prompt_length = input_ids.shape
     rows = batch * num_samples
-    positions = position_ids_from_mask(attention_mask)
+    new_cache = partial(preallocated_cache, model)
+    if kept is None:
+        prefill = Prefill.whole(new_cache, input_ids, attention_mask, max_new_tokens)
+    else:
+        prefill = kept.prefill(new_cache, input_ids, attention_mask, num_samples, max_new_tokens, stop_token_ids, pad_token_id)
     # without left padding every mask is all ones: the model's causal masking alone is the same, and cheaper
-    padded = not bool(attention_mask.all())
-    cache = preallocated_cache(model, prompt_length + max_new_tokens)
+    padded = not bool(prefill.attention_mask.all())
+    cache = prefill.cache
     with_cache = {cache_keyword(model): cache, "use_cache": True}
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=positions, logits_to_keep=1, **with_cache,
+        input_ids=prefill.input_ids, attention_mask=prefill.attention_mask if padded else None, position_ids=prefill.position_ids,
+        logits_to_keep=1, **with_cache,
     ).logits[:, -1]
     cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
-    mask = attention_mask.repeat_interleave(num_samples, dim=0)
-    position = positions[:, -1:].repeat_interleave(num_samples, dim=0)
+    mask = prefill.attention_mask.repeat_interleave(num_samples, dim=0)
+    position = prefill.position_ids[:, -1:].repeat_interleave(num_samples, dim=0)
     sequences = torch.full((rows, prompt_length + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     sequences[:, :prompt_length] = input_ids.repeat_interleave(num_samples, dim=0)
     stops = torch.tensor(list(stop_token_ids), dtype=input_ids.dtype, device=input_ids.device)
@@ -202,6 +211,9 @@ def sample_completions(
             break
         if done >= _COMPACT_SHARE * len(active):
             keep = torch.nonzero(~finished).squeeze(1)
+            if kept is not None:
+                leaving = torch.nonzero(finished).squeeze(1)
+                kept.keep(cache, leaving, active[leaving], sequences)
             cache.batch_select_indices(keep)
             active, tokens, mask, position = active[keep], tokens[keep], mask[keep], position[keep]
             finished = finished[keep]
@@ -211,6 +223,8 @@ def sample_completions(
         logits = model(
             input_ids=tokens[:, None], attention_mask=mask if padded else None, position_ids=position, **with_cache,
         ).logits[:, -1]
+    if kept is not None:
+        kept.end_call(cache, active, sequences)
     return sequences[:, :length]
 
 
@@ -239,17 +253,37 @@ def _generate(model: nn.Module, **kwargs) -> Tensor:
 class DecodeLoop(HFGenerate):
     """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
 
+    Through calls made with ``request.keep`` (an agent's turns) it keeps its KV cache (:class:`KeptCache`): each call
+    prefills only what its rows add to the last call's. It drops the cache at :meth:`release`, at :meth:`sync`, at a
+    call without ``keep`` and when the policy's optimizer step changes.
+
     Models outside :data:`DECODE_LOOP_MODEL_TYPES`, generation options outside :data:`DECODE_LOOP_OPTIONS` are sampled
     with ``generate`` instead; greedy decoding gives the same tokens either way.
     """
+
+    kept: KeptCache | None = None
 
     def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         options = request.options
         if not supports_decode_loop(policy.model, options.generation_kwargs):
             return super().sample(policy, request)
+        if not request.keep:
+            self.kept = None
+        elif self.kept is None or self.kept.step != policy.step:
+            self.kept = KeptCache(policy.step)
         processors = logits_processors(options.generation_kwargs, options.temperature, options.top_p, request.greedy)
         sequences = policy.root(
             sample_completions, request.input_ids, request.attention_mask, request.num_samples, options.max_new_tokens,
-            options.stop_token_ids, options.pad_token_id, processors, request.greedy,
+            options.stop_token_ids, options.pad_token_id, processors, request.greedy, self.kept,
         )
-        return Sampled(sequences)
+        if self.kept is None:
+            return Sampled(sequences)
+        prefilled = int(request.attention_mask.sum()) - self.kept.reused_tokens
+        return Sampled(sequences, stats={"perf/prefill_tokens": float(prefilled), "perf/kv_reused_tokens": float(self.kept.reused_tokens)})
+
+    def sync(self, policy: PolicyWeights) -> float:
+        self.kept = None
+        return 0.0
+
+    def release(self) -> None:
+        self.kept = None
