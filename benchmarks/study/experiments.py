@@ -77,7 +77,7 @@ def main() -> None:
         return
     if not args.report:
         todo = missing[: args.max_runs]
-        ensure_warmstart([" ".join(run.command(TMP)) for run in todo])
+        ensure_warmstart([" ".join(run.command(TMP)) for run in todo], args.threads)
         with ThreadPoolExecutor(args.jobs) as pool:
             for index, run in enumerate(pool.map(lambda r: execute(r, args.threads) or r, todo)):
                 print(f"[{index + 1}/{len(todo)}] {run.path.relative_to(ROOT)}", flush=True)

@@ -223,8 +223,10 @@ def test_every_stored_command_names_folders_and_classes_that_exist_where_they_ar
     records = [json.loads(path.read_text()) for path in (STUDY / "results").glob("E*/**/*.json")]
     commands = [record["command"] for record in records if "command" in record]  # E6's probes ran no command
     assert len(commands) > 400
-    warm = [c for c in commands if "warmstart-" in c]
+    warm = [c for c in commands if "/E8/warmstart-" in c]
     assert warm and all("benchmarks/experiments/E8/" in c for c in warm)  # as stored
+    e11 = {re.search(r"model_path=(\S+)", c).group(1) for c in commands if "E11/warmstart-" in c and "lit-cancel fit --config configs/quickstart" in c}
+    assert e11 <= {runs.e11_warmstart(name) for name in runs.E11_TOOL_SHARES}  # the folders ensure_warmstart trains
     assert all(runs.E8_WARMSTART in runs.current_paths(c) and "benchmarks/experiments/" not in runs.current_paths(c) for c in warm)
     assert (runs.ROOT / runs.E8_WARMSTART).parent == STUDY / "results" / "E8" and runs.STUDY_DIR == STUDY
     class_paths = {m for c in commands for m in re.findall(r"=((?:experiment_parts|lab\.parts|forced_branching)\.\w+)", c)}

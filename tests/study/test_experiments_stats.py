@@ -187,6 +187,28 @@ def test_minimal_detectable_effect_matches_scipys_quantiles():
     assert experiments.minimal_detectable_effect(half, n) == pytest.approx(expected, rel=1e-9)
 
 
+def test_welch_test_is_scipys_unequal_variance_ttest_ind():
+    rng = random.Random(3)
+    a = [rng.gauss(0.010, 0.004) for _ in range(10)]
+    b = [rng.gauss(0.006, 0.001) for _ in range(9)]
+    difference, half, p, df = experiments.welch_test(a, b)
+    expected = scipy_stats.ttest_ind(a, b, equal_var=False)
+    interval = expected.confidence_interval(0.95)
+    assert p == pytest.approx(expected.pvalue, rel=1e-6) and df == pytest.approx(expected.df, rel=1e-9)
+    assert difference == pytest.approx(np.mean(a) - np.mean(b)) and half == pytest.approx((interval.high - interval.low) / 2, rel=1e-6)
+    se = half / scipy_stats.t.ppf(0.975, df)
+    mde = experiments.minimal_detectable_effect(half, 10, df=df)
+    assert mde == pytest.approx((scipy_stats.t.ppf(0.975, df) + scipy_stats.t.ppf(0.8, df)) * se, rel=1e-6)
+
+
+def test_welch_test_by_hand_and_without_spread():
+    # a: mean 2, variance 1 / 3 = 1/3; b: mean 0, variance 1 / 3 = 1/3; se = sqrt(2/3), df = (2/3)^2 / (2 (1/3)^2 / 2) = 4
+    difference, half, p, df = experiments.welch_test([1, 2, 3], [-1, 0, 1])
+    assert (difference, df) == (pytest.approx(2.0), pytest.approx(4.0))
+    assert half == pytest.approx(2.776445 * math.sqrt(2 / 3), abs=1e-5)
+    assert math.isnan(experiments.welch_test([1, 1], [2, 2])[2]) and math.isnan(experiments.welch_test([1], [2, 3])[0])
+
+
 RAW = [-0.0231, -0.0262, -0.0195, -0.0208, -0.0234]  # numerator: five seeds' paired differences
 ADJUSTED = [-0.0041, -0.0018, -0.0035, -0.0012, -0.0044]  # denominator, the same five seeds
 

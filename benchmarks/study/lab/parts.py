@@ -7,7 +7,9 @@ into the library's own hooks: an objective's ``trust_region`` (a stop-gradient w
   (E8: the expected gradient is unchanged, the credits there no longer cancel);
 * ``AdvantageSign``: trains on the rollouts of one sign of advantage only (E8, E9);
 * ``SignSorted``: positives and negatives in different mini-batches, the opposite of ``RewardBalanced`` (E9);
-* ``ScaffoldProbe``: how sure the policy is of the scaffold, and how often rollouts write it exactly (E8).
+* ``ScaffoldProbe``: how sure the policy is of the scaffold, and how often rollouts write it exactly (E8);
+* ``FirstTurnAgreement``: how often a group's episodes open with the same turn, and how much of the policy's text a
+  whole group shares (E11's manipulation check).
 """
 
 from typing import Literal
@@ -158,3 +160,42 @@ class ScaffoldProbe(Callback):
         if step % self.every_n_steps == 0 and (not self.history or self.history[-1][0] != step):
             self._probe(trainer, pl_module)
 
+
+
+def first_turn_agreement(batch: RolloutBatch) -> tuple[float, float]:
+    """``(groups, agreeing)``: the groups with two or more members in ``batch``, and how many of them open every episode
+    with the same first turn (the policy's tokens up to the first token it did not write: the environment's reply, or
+    padding after an episode that ended in one turn)."""
+    mask = batch.completion_mask.bool()
+    first_turn = torch.where(mask.long().cumprod(1).bool(), completion_ids(batch), -1)
+    _, group = torch.unique(batch.group_ids, return_inverse=True)
+    groups = int(group.max()) + 1 if len(group) else 0
+    rows = torch.arange(len(group), device=group.device)
+    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")
+    same = (first_turn == first_turn[first_row[group]]).all(1).long()
+    everyone = torch.ones(groups, dtype=torch.long, device=group.device).scatter_reduce(0, group, same, reduce="amin")
+    several = torch.bincount(group, minlength=groups) > 1
+    return float(several.sum()), float((everyone.bool() & several).sum())
+
+
+class FirstTurnAgreement(Callback):
+    """Logs how often a group's episodes open the same way, and how much of the policy's text its whole group shares.
+
+    * ``rollout/first_turn_agreement``: the share of each training micro-batch's groups (those with two or more members
+      in it) whose episodes all open with the same first turn, token for token (:func:`first_turn_agreement`);
+    * ``rollout/shared_policy_tokens``: the share of the policy's tokens at positions the whole group shares, the
+      environment's replies counted as context (``shared_positions``, the positions the learning tax measures).
+
+    An environment cannot change an episode's first turn (it comes before the first reply), so the first is what the
+    policy being trained sets; shared later turns follow from it.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: RolloutBatch, batch_idx: int) -> None:
+        groups, agreeing = first_turn_agreement(batch)
+        completions, mask = completion_ids(batch).cpu(), batch.completion_mask.cpu()
+        context = batch.attention_mask[:, batch.prompt_length :].cpu()
+        prompts = batch.input_ids[:, : batch.prompt_length].cpu()
+        shared = shared_positions(completions, mask, batch.group_ids.cpu(), context, prompts)
+        pl_module.log("rollout/first_turn_agreement", agreeing / groups if groups else 0.0, on_step=True, on_epoch=False)
+        pl_module.log("rollout/shared_policy_tokens", float(shared.sum() / mask.sum().clamp(min=1)), on_step=True, on_epoch=False)

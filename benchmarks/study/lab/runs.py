@@ -1,8 +1,8 @@
 """The runs of the cancellation experiments: what each experiment runs, how a run is executed and stored, and replay.
 
-A run is ``lit-cancel fit --config configs/scaffold.yaml`` with command-line overrides (:class:`Run`);
-:func:`execute` runs it and stores its TensorBoard scalars, command and provenance as one JSON file in
-``benchmarks/study/results/<experiment>/``; :func:`replay` reruns a stored run's command and
+A run is ``lit-cancel fit --config configs/scaffold.yaml`` (E11's: ``configs/quickstart-agent.yaml``) with command-line
+overrides (:class:`Run`); :func:`execute` runs it and stores its TensorBoard scalars, command and provenance as one JSON
+file in ``benchmarks/study/results/<experiment>/``; :func:`replay` reruns a stored run's command and
 :func:`compare_scalars` says whether its scalars are bit-identical to the stored ones.
 """
 
@@ -36,6 +36,7 @@ class Run:
     setting: str
     seed: int
     overrides: tuple[str, ...] = field(compare=False)
+    config: str = field(default=CONFIG, compare=False)
 
     @property
     def path(self) -> Path:
@@ -43,7 +44,7 @@ class Run:
 
     def command(self, save_dir: str) -> list[str]:
         return [
-            "lit-cancel", "fit", "--config", CONFIG, f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}",
+            "lit-cancel", "fit", "--config", self.config, f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}",
             "--trainer.enable_progress_bar=false",
             f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.logger.init_args.name=run",
             *self.overrides,
@@ -128,11 +129,47 @@ def e10_arms(seed: int) -> dict[str, list[str]]:
     }
 
 
+# E11 (pre-registered in docs/experiments.md): cancellation across turns on the agent quickstart. The arms change the
+# objective only; the knob is the warm start, the supervised agent recipe at two shares of tool-calling demonstrations,
+# which sets how often a group's episodes open with the same turn (the environment cannot change the first turn)
+AGENT_CONFIG, SFT_AGENT_CONFIG = "configs/quickstart-agent.yaml", "configs/sft-agent.yaml"
+E11_ARMS = ("GRPO", "DrGRPO", "DFPOMin")
+E11_SEEDS = tuple(range(10))
+E11_STEPS, E11_LR = 40, 2e-4
+E11_TOOL_SHARES = {"mixed": 0.5, "agreeing": 0.95}
+
+
+def e11_setting(warm_start: str) -> str:
+    return f"{warm_start}-tool{round(E11_TOOL_SHARES[warm_start] * 100)}"
+
+
+def e11_warmstart(warm_start: str) -> str:
+    """The folder, relative to the repository root, that :func:`ensure_warmstart` trains ``warm_start`` into."""
+    return f"benchmarks/study/results/E11/warmstart-{e11_setting(warm_start)}"
+
+
+def e11_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
+    """An E11 run's overrides of configs/quickstart-agent.yaml: its warm start, its objective (the config's other
+    settings, clip 0.2 and no KL, carry over where the class takes them), the budget and the manipulation check."""
+    return (f"--model.init_args.model_path={e11_warmstart(warm_start)}", *objective(arm), *budget(E11_STEPS, E11_LR),
+            "--trainer.callbacks+=lab.parts.FirstTurnAgreement")
+
+
+def sft_agent_command(tool_share: float, output_dir: str, save_dir: str) -> list[str]:
+    """configs/sft-agent.yaml (the recipe of the shipped ``embedded:tiny-agent``) at ``tool_share``, saved to ``output_dir``."""
+    return ["lit-cancel", "fit", "--config", SFT_AGENT_CONFIG, f"--data.init_args.task.init_args.tool_share={tool_share}",
+            f"--model.init_args.output_dir={output_dir}", "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.logger.init_args.name=run"]
+
+
 def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     """Every run of experiment ``name`` for ``seeds``. The settings and their reasons are in docs/experiments.md."""
     if name == "E10C":  # its seeds are fixed by its pre-registration, whatever ``seeds`` says
         return [Run(name, arm, E10_SETTING, seed, (*e10_common(), *chosen))
                 for seed in E10C_SEEDS for arm, chosen in e10_arms(seed).items() if arm in E10C_ARMS]
+    if name == "E11":  # likewise
+        return [Run(name, arm, e11_setting(warm_start), seed, e11_overrides(warm_start, arm), AGENT_CONFIG)
+                for warm_start in E11_TOOL_SHARES for seed in E11_SEEDS for arm in E11_ARMS]
     runs = []
     for seed in seeds:
         if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting; GRPO and DFPOMin also at half the rate
@@ -206,7 +243,7 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11")
 PROBES = ("E6",)
 
 
@@ -290,12 +327,30 @@ def execute(run: Run, threads: int | None = None) -> None:
     partial.rename(run.path)
 
 
-def ensure_warmstart(commands: list[str]) -> None:
-    """Trains E8's short warm start (benchmarks/study/scaffold_warmstart.py) if a command needs it and it is missing."""
+def build_e11_warmstart(warm_start: str, threads: int | None = None) -> None:
+    """Trains E11's ``warm_start`` by configs/sft-agent.yaml at its tool share and stores beside it a JSON of the command,
+    the provenance, the recipe's scalars and the SHA-256 of the weights it saved."""
+    import hashlib
+
+    folder = ROOT / e11_warmstart(warm_start)
+    logged, wall, command = fit(sft_agent_command(E11_TOOL_SHARES[warm_start], e11_warmstart(warm_start), TMP), threads)
+    weights = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    record = {"warm_start": warm_start, "tool_share": E11_TOOL_SHARES[warm_start], "command": command, "wall_s": round(wall, 1),
+              "model_sha256": weights, "provenance": provenance(threads), "scalars": logged}
+    folder.with_suffix(".json").write_text(json.dumps(record, separators=(",", ":")))
+
+
+def ensure_warmstart(commands: list[str], threads: int | None = None) -> None:
+    """Trains the warm starts the commands name that are missing: E8's short one (benchmarks/study/scaffold_warmstart.py)
+    and E11's (:func:`build_e11_warmstart`)."""
     if any(E8_WARMSTART in command for command in commands) and not (ROOT / E8_WARMSTART).exists():
         from scaffold_warmstart import train
 
         train(E8_WARMSTART_STEPS)
+    for warm_start in E11_TOOL_SHARES:
+        named = any(f"model_path={e11_warmstart(warm_start)}" in command for command in commands)
+        if named and not (ROOT / e11_warmstart(warm_start)).exists():
+            build_e11_warmstart(warm_start, threads)
 
 
 # ----------------------------------------------------------------------------------------------- replay
@@ -365,7 +420,7 @@ def replay(path: Path, threads: int | None = None) -> dict:
     command = shlex.split(stored)
     stored_provenance = record.get("provenance", {})
     threads = threads or stored_provenance.get("threads")
-    ensure_warmstart([stored])
+    ensure_warmstart([stored], threads)
     logged, wall, _ = fit(command, threads)
     comparison = compare_scalars(without_timings(record["scalars"]), without_timings(logged))
     now = provenance(threads)

@@ -172,13 +172,31 @@ def tost(values: list[float], margin: float) -> tuple[float, float, float]:
     return max(lower, upper), lower, upper
 
 
-def minimal_detectable_effect(half: float, n: int, confidence: float = 0.95, power: float = 0.8) -> float:
+def minimal_detectable_effect(half: float, n: int, confidence: float = 0.95, power: float = 0.8, df: float | None = None) -> float:
     """The smallest true mean difference a two-sided t-test on ``n`` values detects with probability ``power``,
-    from the half-width of its interval: ``(t_{1-alpha/2} + t_{power}) * se`` with ``n - 1`` degrees of freedom."""
+    from the half-width of its interval: ``(t_{1-alpha/2} + t_{power}) * se`` with ``n - 1`` degrees of freedom
+    (``df`` where given: Welch's, from :func:`welch_test`)."""
     if n < 2 or math.isnan(half):
         return math.nan
-    critical = t_quantile(0.5 + confidence / 2, n - 1)
-    return (critical + t_quantile(power, n - 1)) * half / critical
+    df = n - 1 if df is None else df
+    critical = t_quantile(0.5 + confidence / 2, df)
+    return (critical + t_quantile(power, df)) * half / critical
+
+
+def welch_test(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float, float]:
+    """``(difference, half_width, p, df)`` of Welch's two-sided t-test of ``mean(a) - mean(b)`` (unpaired, unequal
+    variances; scipy's ``ttest_ind(equal_var=False)``), the interval with Welch–Satterthwaite degrees of freedom.
+    nan below two values in either sample or when neither has spread."""
+    if len(a) < 2 or len(b) < 2:
+        return math.nan, math.nan, math.nan, math.nan
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    difference = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:
+        return difference, math.nan, math.nan, math.nan
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    p = min(1.0, 2 * t_sf(abs(difference) / se, df))
+    return difference, t_quantile(0.5 + confidence / 2, df) * se, p, df
 
 
 def slope_interval(x: list[float], y: list[float], confidence: float = 0.95) -> tuple[float, float]:
