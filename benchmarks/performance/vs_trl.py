@@ -42,11 +42,15 @@ as above. TRL's tool loop renders prompts, calls and replies with the tokenizer'
 with its ``response_template``; the character tokenizer has neither, so the benchmark gives it both
 (:data:`COLON_CHAT_TEMPLATE`, :data:`COLON_RESPONSE_TEMPLATE`): a call renders ``name: expression`` closed by EOS, a
 reply `` = result`` and a newline, a user message as its text with no generation prompt, so TRL's token sequence of an
-episode is lit_cancel's (``ColonCalls``). The reward is ``ToolAdditionTask.reward`` on the transcript, on both sides:
+episode is lit_cancel's (``ColonCalls``), and TRL runs its own tool loop on it (``rollout_func`` is not needed). The
+reward is ``ToolAdditionTask.reward`` on the transcript, on both sides:
 the environment has no ``get_reward``, because the answer turn never reaches it (a turn that calls no tool ends the
 episode in both loops). Each side counts the tokens it trains: lit_cancel the ones of ``completion_mask`` (the policy's
 turns with their EOS), TRL those of ``completion_mask`` × ``tool_mask``; the environment's tokens are the rest of each
-episode after its prompt. The table gives their means per episode with 95% intervals.
+episode after its prompt. The table gives their means per episode with 95% intervals. One difference is by design of
+each framework: a call that fails (a tool that raises, a name that is no tool) is answered ``{'error': '...'}`` by TRL
+and ``error: ValueError: ...`` by lit_cancel, so those episodes' replies differ in length and their next turn reads
+another context (about 1% of the episodes of the shipped model).
 
 Steps are timed from one optimizer step's end to the next (rollouts, rewards, training, optimizer
 and framework overhead all included); the first ``--warmup`` steps are not counted. Each side records
