@@ -47,7 +47,9 @@ reward is ``ToolAdditionTask.reward`` on the transcript, on both sides:
 the environment has no ``get_reward``, because the answer turn never reaches it (a turn that calls no tool ends the
 episode in both loops). Each side counts the tokens it trains: lit_cancel the ones of ``completion_mask`` (the policy's
 turns with their EOS), TRL those of ``completion_mask`` × ``tool_mask``; the environment's tokens are the rest of each
-episode after its prompt. The table gives their means per episode with 95% intervals. One difference is by design of
+episode after its prompt. The table gives their means per episode with 95% intervals, and the tokens of a step's training
+pass: TRL's episodes padded to the longest of the step (prompts and completions), lit_cancel's attended tokens, which
+its chunks read without padding. One difference is by design of
 each framework: a call that fails (a tool that raises, a name that is no tool) is answered ``{'error': '...'}`` by TRL
 and ``error: ValueError: ...`` by lit_cancel, so those episodes' replies differ in length and their next turn reads
 another context (about 1% of the episodes of the shipped model).
@@ -352,7 +354,7 @@ def run_trl_agent(folder: str, steps: int) -> dict:
     limits = task.limits
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                  for r in task.train_records()])
-    ends, trained, environment = [], [], []
+    ends, trained, environment, padded = [], [], [], []
 
     def reward(completions, answer, **kwargs):
         return [task.reward({"answer": a}, transcript(tokenizer, c)) for a, c in zip(answer, completions)]
@@ -362,7 +364,8 @@ def run_trl_agent(folder: str, steps: int) -> dict:
             ends.append(time.perf_counter())
 
     class CountingTrainer(GRPOTrainer):
-        """Records, per episode, the tokens the loss reads (completion mask × tool mask) and the environment's."""
+        """Records, per episode, the tokens the loss reads (completion mask × tool mask) and the environment's, and per step
+        the tokens of the training pass (the episodes padded to the longest)."""
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -370,6 +373,7 @@ def run_trl_agent(folder: str, steps: int) -> dict:
             policy = episode * output["tool_mask"] if "tool_mask" in output else episode
             trained.append(policy.sum(1).tolist())
             environment.append((episode - policy).sum(1).tolist())
+            padded.append(output["prompt_ids"].numel() + output["completion_ids"].numel())
             return output
 
     config = GRPOConfig(
@@ -383,14 +387,14 @@ def run_trl_agent(folder: str, steps: int) -> dict:
     trainer = CountingTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
                               environment_factory=AdditionCalculator, callbacks=[StepEnds()])
     trainer.train()
-    return {"ends": ends, "lengths": trained, "environment": environment}
+    return {"ends": ends, "lengths": trained, "environment": environment, "pass_tokens": padded}
 
 
 def run_lit_cancel_agent(folder: str, steps: int) -> dict:
     from lightning.pytorch.callbacks import Callback
 
     task = agent_task()
-    ends, trained, environment = [], [], []
+    ends, trained, environment, attended = [], [], [], []
 
     class StepEnds(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -399,10 +403,11 @@ def run_lit_cancel_agent(folder: str, steps: int) -> dict:
             policy = batch.completion_mask.sum(1)
             trained.append(policy.tolist())
             environment.append((episode - policy).tolist())
+            attended.append(int(batch.attention_mask.sum()))  # the training pass reads these, without padding
 
     row = Row(*AGENT_SHAPE, task.limits.max_turn_tokens, False, eos=True)
     fit_lit_cancel(lit_cancel_module(folder, row), folder, row, steps, [StepEnds()], task=task)
-    return {"ends": ends, "lengths": trained, "environment": environment}
+    return {"ends": ends, "lengths": trained, "environment": environment, "pass_tokens": attended}
 
 
 def child(framework: str, folder: str, row: str, steps: int, threads: int | None) -> None:
@@ -423,6 +428,7 @@ class Measured:
     peak_mib: float
     lengths: list[int]  # every completion of the timed steps; of the agent row, the tokens each episode trains
     environment: list[int] = field(default_factory=list)  # the agent row: the environment's tokens of each episode
+    pass_tokens: list[int] = field(default_factory=list)  # the agent row: the tokens of each timed step's training pass
 
     @property
     def mean_length(self) -> float:
@@ -457,10 +463,13 @@ def measure(framework: str, folder: str, row: str, args: argparse.Namespace) -> 
     result = json.loads(lines[-1][len("RESULT "):])
     intervals = [b - a for a, b in zip(result["ends"], result["ends"][1:])][args.warmup:]
     # step k's lengths are those of the rollouts it trained on; the timed intervals end at steps warmup+1 ...
-    def timed(counts: list[list[int]]) -> list[int]:
-        return [n for step in counts[args.warmup + 1 : args.warmup + 1 + len(intervals)] for n in step]
+    timed_steps = slice(args.warmup + 1, args.warmup + 1 + len(intervals))
 
-    return Measured(statistics.median(intervals), result["peak_mib"], timed(result["lengths"]), timed(result.get("environment", [])))
+    def timed(counts: list[list[int]]) -> list[int]:
+        return [n for step in counts[timed_steps] for n in step]
+
+    return Measured(statistics.median(intervals), result["peak_mib"], timed(result["lengths"]), timed(result.get("environment", [])),
+                    result.get("pass_tokens", [])[timed_steps])
 
 
 def mean_cell(values: list[int]) -> str:
@@ -483,8 +492,9 @@ def agent_row(args: argparse.Namespace) -> None:
         trl_run, lit_run = measure("trl", scratch, AGENT, args), measure("lit_cancel", scratch, AGENT, args)
     limits = agent_task().limits
     print("| work per step | TRL s/step | lit_cancel s/step | ratio | trained tokens per episode, TRL / lit_cancel "
-          "| environment tokens per episode, TRL / lit_cancel | TRL peak RSS | lit_cancel peak RSS |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| environment tokens per episode, TRL / lit_cancel | tokens in a step's training pass, TRL (padded) / lit_cancel "
+          "| TRL peak RSS | lit_cancel peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|")
     label = (f"{params / 1e6:.1f} M params ({AGENT_MODEL}), 5-digit additions with the calculate tool, at most "
              f"{limits.max_turns} turns of {limits.max_turn_tokens} tokens, fp32, checkpointing off")
     cells = []
@@ -492,7 +502,8 @@ def agent_row(args: argparse.Namespace) -> None:
         trl_counts, lit_counts = getattr(trl_run, counts), getattr(lit_run, counts)
         cells.append(f"{mean_cell(trl_counts)} / {mean_cell(lit_counts)}{' (differ)' if differ(trl_counts, lit_counts) else ''}")
     print(f"| {label} | {trl_run.seconds:.3f} | {lit_run.seconds:.3f} | {lit_run.seconds / trl_run.seconds:.2f}x "
-          f"| {cells[0]} | {cells[1]} | {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
+          f"| {cells[0]} | {cells[1]} | {statistics.fmean(trl_run.pass_tokens):,.0f} / {statistics.fmean(lit_run.pass_tokens):,.0f} "
+          f"| {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
 
 
 def main() -> None:
