@@ -32,27 +32,27 @@ Matched settings, both sides:
   (``RLModule(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilations.
 
 The agent row (``--agent``): multi-turn GRPO with a tool, TRL's ``environment_factory`` against lit_cancel's
-``EnvironmentTask(trl_environment=...)`` on one environment class, :class:`AdditionCalculator` (the ``calculate`` tool;
-``reset`` takes the row), with the shipped ``embedded:tiny-agent`` model and its tokenizer, on
+``EnvironmentTask(trl_environment=...)`` on one environment class, :class:`AdditionCalculator` (the ``calculate``
+tool; ``reset`` takes the row), with the shipped ``embedded:tiny-agent`` model and its tokenizer, on
 ``ToolAdditionTask``'s 5-digit additions: the policy may write ``calculate: 12345+67890``, reads `` = 80235`` and a
-newline, and answers; a turn without a colon is the answer and ends the episode. The same limits on both sides: 3 turns
-(TRL ``max_tool_calling_iterations=2``), 23 tokens a turn (TRL ``generation_kwargs={"max_new_tokens": 23}``), 138 tokens
-an episode after the prompt (TRL ``max_completion_length``); activation checkpointing off on both; the other settings
-as above. TRL's tool loop renders prompts, calls and replies with the tokenizer's chat template and reads the calls back
-with its ``response_template``; the character tokenizer has neither, so the benchmark gives it both
-(:data:`COLON_CHAT_TEMPLATE`, :data:`COLON_RESPONSE_TEMPLATE`): a call renders ``name: expression`` closed by EOS, a
-reply `` = result`` and a newline, a user message as its text with no generation prompt, so TRL's token sequence of an
-episode is lit_cancel's (``ColonCalls``), and TRL runs its own tool loop on it (``rollout_func`` is not needed). The
-reward is ``ToolAdditionTask.reward`` on the transcript, on both sides:
-the environment has no ``get_reward``, because the answer turn never reaches it (a turn that calls no tool ends the
-episode in both loops). Each side counts the tokens it trains: lit_cancel the ones of ``completion_mask`` (the policy's
-turns with their EOS), TRL those of ``completion_mask`` × ``tool_mask``; the environment's tokens are the rest of each
-episode after its prompt. The table gives their means per episode with 95% intervals, and the tokens of a step's training
-pass: TRL's episodes padded to the longest of the step (prompts and completions), lit_cancel's attended tokens, which
-its chunks read without padding. One difference is by design of
-each framework: a call that fails (a tool that raises, a name that is no tool) is answered ``{'error': '...'}`` by TRL
-and ``error: ValueError: ...`` by lit_cancel, so those episodes' replies differ in length and their next turn reads
-another context (about 1% of the episodes of the shipped model).
+newline, and answers; a turn without a colon is the answer and ends the episode. The same limits on both sides: 3
+turns (TRL ``max_tool_calling_iterations=2``), 23 tokens a turn (TRL ``generation_kwargs={"max_new_tokens": 23}``),
+138 tokens an episode after the prompt (TRL ``max_completion_length``); activation checkpointing off on both; the
+other settings as above. TRL's tool loop renders prompts, calls and replies with the tokenizer's chat template and
+reads the calls back with its ``response_template``; the character tokenizer has neither, so the benchmark gives it
+both (:data:`COLON_CHAT_TEMPLATE`, :data:`COLON_RESPONSE_TEMPLATE`): a call renders ``name: expression`` closed by
+EOS, a reply `` = result`` and a newline, a user message as its text with no generation prompt, so TRL's token
+sequence of an episode is lit_cancel's (``ColonCalls``), and TRL runs its own tool loop on it (``rollout_func`` is not
+needed). The reward is ``ToolAdditionTask.reward`` on the transcript, on both sides: the environment has no
+``get_reward``, because the answer turn never reaches it (a turn that calls no tool ends the episode in both loops).
+Each side counts the tokens it trains: lit_cancel the ones of ``completion_mask`` (the policy's turns with their EOS),
+TRL those of ``completion_mask`` × ``tool_mask``; the environment's tokens are the rest of each episode after its
+prompt. The table gives their means per episode with 95% intervals, and the tokens of a step's training pass: TRL's
+episodes padded to the longest of the step (prompts and completions), lit_cancel's attended tokens, which its chunks
+read without padding. One difference is by design of each framework: a call that fails (a tool that raises, a name
+that is no tool) is answered ``{'error': '...'}`` by TRL and ``error: ValueError: ...`` by lit_cancel, so those
+episodes' replies differ in length and their next turn reads another context (about 1% of the episodes of the shipped
+model).
 
 Steps are timed from one optimizer step's end to the next (rollouts, rewards, training, optimizer
 and framework overhead all included); the first ``--warmup`` steps are not counted. Each side records
