@@ -4,6 +4,7 @@
     python benchmarks/performance/vs_trl.py [--rows small,large,large-ckpt] [--steps 10] [--warmup 2] [--threads N]
     python benchmarks/performance/vs_trl.py --realistic   # EOS on: rows real-small-fp32, real-small-bf16, real-large-fp32/bf16
     python benchmarks/performance/vs_trl.py --sweep --steps 3 --warmup 1   # completion limits 128 to 2,048 tokens, two regimes
+    python benchmarks/performance/vs_trl.py --agent --steps 6 --warmup 2  # multi-turn, tool-using episodes (TRL environment_factory)
 
 Each framework trains in its own process (its peak resident memory is that process's), one after
 the other, on the same work, and the table gives lit_cancel's wall time per step as a share of TRL's.
@@ -30,6 +31,29 @@ Matched settings, both sides:
 * ``real-small-fp32-compiled`` (not in ``--realistic``): lit_cancel's decoder through ``torch.compile``
   (``RLModule(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilations.
 
+The agent row (``--agent``): multi-turn GRPO with a tool, TRL's ``environment_factory`` against lit_cancel's
+``EnvironmentTask(trl_environment=...)`` on one environment class, :class:`AdditionCalculator` (the ``calculate``
+tool; ``reset`` takes the row), with the shipped ``embedded:tiny-agent`` model and its tokenizer, on
+``ToolAdditionTask``'s 5-digit additions: the policy may write ``calculate: 12345+67890``, reads `` = 80235`` and a
+newline, and answers; a turn without a colon is the answer and ends the episode. The same limits on both sides: 3
+turns (TRL ``max_tool_calling_iterations=2``), 23 tokens a turn (TRL ``generation_kwargs={"max_new_tokens": 23}``),
+138 tokens an episode after the prompt (TRL ``max_completion_length``); activation checkpointing off on both; the
+other settings as above. TRL's tool loop renders prompts, calls and replies with the tokenizer's chat template and
+reads the calls back with its ``response_template``; the character tokenizer has neither, so the benchmark gives it
+both (:data:`COLON_CHAT_TEMPLATE`, :data:`COLON_RESPONSE_TEMPLATE`): a call renders ``name: expression`` closed by
+EOS, a reply `` = result`` and a newline, a user message as its text with no generation prompt, so TRL's token
+sequence of an episode is lit_cancel's (``ColonCalls``), and TRL runs its own tool loop on it (``rollout_func`` is not
+needed). The reward is ``ToolAdditionTask.reward`` on the transcript, on both sides: the environment has no
+``get_reward``, because the answer turn never reaches it (a turn that calls no tool ends the episode in both loops).
+Each side counts the tokens it trains: lit_cancel the ones of ``completion_mask`` (the policy's turns with their EOS),
+TRL those of ``completion_mask`` × ``tool_mask``; the environment's tokens are the rest of each episode after its
+prompt. The table gives their means per episode with 95% intervals, and the tokens of a step's training pass: TRL's
+episodes padded to the longest of the step (prompts and completions), lit_cancel's attended tokens, which its chunks
+read without padding. One difference is by design of each framework: a call that fails (a tool that raises, a name
+that is no tool) is answered ``{'error': '...'}`` by TRL and ``error: ValueError: ...`` by lit_cancel, so those
+episodes' replies differ in length and their next turn reads another context (about 1% of the episodes of the shipped
+model).
+
 Steps are timed from one optimizer step's end to the next (rollouts, rewards, training, optimizer
 and framework overhead all included); the first ``--warmup`` steps are not counted. Each side records
 the length of every completion of the timed steps (EOS included): the table gives its mean with a 95%
@@ -40,17 +64,21 @@ import argparse
 import json
 import math
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lit_cancel.agents import ColonCalls, EnvironmentTask, ToolAdditionTask
+from lit_cancel.agents.calculator import calculate
+from lit_cancel.hub import load_tokenizer, resolve_model_path
 from lit_cancel.tasks import AdditionTask
 from lit_cancel.tokenizer import build_char_tokenizer
 
@@ -202,13 +230,14 @@ def lit_cancel_module(folder: str, row: Row, **options):
     return RLModule(folder, **{**settings, **options})
 
 
-def fit_lit_cancel(module, folder: str, row: Row, steps: int, callbacks: list) -> None:
-    """``Trainer.fit`` of ``module`` on the row's prompts for ``steps`` optimizer steps, in the row's precision."""
+def fit_lit_cancel(module, folder: str, row: Row, steps: int, callbacks: list, task=None) -> None:
+    """``Trainer.fit`` of ``module`` on ``task``'s prompts (the rows' additions when None) for ``steps`` optimizer steps, in
+    the row's precision."""
     import lightning as L
 
     from lit_cancel import RolloutDataModule
 
-    data = RolloutDataModule(AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
+    data = RolloutDataModule(task or AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -231,19 +260,175 @@ def run_lit_cancel(folder: str, row: Row, steps: int) -> tuple[list[float], list
     return ends, lengths
 
 
+AGENT, AGENT_MODEL = "agent", "embedded:tiny-agent"
+AGENT_SHAPE = (128, 4, 512, 4)  # the shipped agent model's hidden size, blocks, MLP width and heads
+# a call renders as ColonCalls writes it (its one argument, `expression`, bare; any other as key=value), closed by EOS;
+# a tool's reply as ColonCalls shows a result; a user message as its text; the generation prompt is empty
+COLON_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{{ call.function.name ~ ': ' }}"
+    "{%- for key, value in call.function.arguments.items() -%}"
+    "{{ ' ' if not loop.first }}{{ key ~ '=' if key != 'expression' }}{{ value }}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ message.content }}"
+    "{%- endfor -%}"
+    "{{ eos_token }}"
+    "{%- elif message.role == 'tool' -%}{{ ' = ' ~ message.content ~ '\\n' }}"
+    "{%- else -%}{{ message.content }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+# how transformers' parse_response reads a turn back (ColonCalls.parse): a turn closed by EOS that holds a colon is one
+# call of the name before the first colon with the rest as its expression; any other turn is content, the answer. The
+# assistant's message starts where the prompt ends (the empty generation prompt), so the anchor is the prefix's end.
+COLON_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"\Z",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"^\s*(?P<name>[^:]*?)\s*:\s*(?=[\s\S]*<eos>)",
+            "close_pattern": r"\s*<eos>",
+            "repeats": True,
+            "content": "text",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": {"expression": "{content}"}}},
+        },
+        "content": {"close": "<eos>", "content": "text"},
+    },
+}
+
+
+class AdditionCalculator:
+    """``ToolAdditionTask``'s environment as a TRL ``environment_factory``: one instance per episode, its public method
+    the tool. TRL runs it through ``GRPOTrainer(environment_factory=AdditionCalculator)``, lit_cancel through
+    ``EnvironmentTask(trl_environment=AdditionCalculator, call_format=ColonCalls())``."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def calculate(self, expression: str) -> str:
+        """Evaluates an arithmetic expression and returns its value.
+
+        Args:
+            expression: numbers with + - * / // % ** and parentheses, e.g. "(48 / 2) * 3 - 5".
+        """
+        return calculate(expression)
+
+
+def agent_task() -> EnvironmentTask:
+    """``ToolAdditionTask``'s records, limits and reward, its episodes run against :class:`AdditionCalculator`."""
+    addition = ToolAdditionTask(num_digits=5)
+    limits = addition.limits
+    return EnvironmentTask(addition, trl_environment=AdditionCalculator, call_format=ColonCalls(), tool_timeout=5.0,
+                           max_turns=limits.max_turns, max_turn_tokens=limits.max_turn_tokens,
+                           max_episode_tokens=limits.max_episode_tokens)
+
+
+def write_agent_model(folder: Path) -> int:
+    """Copies the shipped agent model to ``folder``; returns its parameter count."""
+    shutil.copytree(resolve_model_path(AGENT_MODEL), folder, dirs_exist_ok=True)
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+def colon_chat_tokenizer(folder: str):
+    """The tokenizer of ``folder`` with :data:`COLON_CHAT_TEMPLATE` and :data:`COLON_RESPONSE_TEMPLATE`."""
+    tokenizer = load_tokenizer(folder)
+    tokenizer.chat_template, tokenizer.response_template = COLON_CHAT_TEMPLATE, COLON_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def transcript(tokenizer, messages: list[dict]) -> str:
+    """An episode's messages after the prompt as lit_cancel's transcript gives them: turns and replies, no EOS."""
+    return tokenizer.apply_chat_template(messages, tokenize=False).replace(tokenizer.eos_token, "")
+
+
+def run_trl_agent(folder: str, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task, tokenizer = agent_task(), colon_chat_tokenizer(folder)
+    limits = task.limits
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                                 for r in task.train_records()])
+    ends, trained, environment, padded = [], [], [], []
+
+    def reward(completions, answer, **kwargs):
+        return [task.reward({"answer": a}, transcript(tokenizer, c)) for a, c in zip(answer, completions)]
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    class CountingTrainer(GRPOTrainer):
+        """Records, per episode, the tokens the loss reads (completion mask × tool mask) and the environment's, and per step
+        the tokens of the training pass (the episodes padded to the longest)."""
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            episode = output["completion_mask"]
+            policy = episode * output["tool_mask"] if "tool_mask" in output else episode
+            trained.append(policy.sum(1).tolist())
+            environment.append((episode - policy).sum(1).tolist())
+            padded.append(output["prompt_ids"].numel() + output["completion_ids"].numel())
+            return output
+
+    config = GRPOConfig(
+        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP, max_completion_length=limits.max_episode_tokens, max_tool_calling_iterations=limits.max_turns - 1,
+        generation_kwargs={"max_new_tokens": limits.max_turn_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+        loss_type="grpo", scale_rewards="group", epsilon=0.2, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
+        max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no", seed=SEED,
+        logging_steps=1, dataloader_num_workers=0,
+    )
+    trainer = CountingTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+                              environment_factory=AdditionCalculator, callbacks=[StepEnds()])
+    trainer.train()
+    return {"ends": ends, "lengths": trained, "environment": environment, "pass_tokens": padded}
+
+
+def run_lit_cancel_agent(folder: str, steps: int) -> dict:
+    from lightning.pytorch.callbacks import Callback
+
+    task = agent_task()
+    ends, trained, environment, attended = [], [], [], []
+
+    class StepEnds(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ends.append(time.perf_counter())
+            episode = batch.attention_mask[:, batch.prompt_length:].sum(1)
+            policy = batch.completion_mask.sum(1)
+            trained.append(policy.tolist())
+            environment.append((episode - policy).tolist())
+            attended.append(int(batch.attention_mask.sum()))  # the training pass reads these, without padding
+
+    row = Row(*AGENT_SHAPE, task.limits.max_turn_tokens, False, eos=True)
+    fit_lit_cancel(lit_cancel_module(folder, row), folder, row, steps, [StepEnds()], task=task)
+    return {"ends": ends, "lengths": trained, "environment": environment, "pass_tokens": attended}
+
+
 def child(framework: str, folder: str, row: str, steps: int, threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
-    ends, lengths = (run_trl if framework == "trl" else run_lit_cancel)(folder, ROWS[row], steps)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps({"ends": ends, "lengths": lengths, "peak_mib": peak_mib}))
+    if row == AGENT:
+        result = (run_trl_agent if framework == "trl" else run_lit_cancel_agent)(folder, steps)
+    else:
+        ends, lengths = (run_trl if framework == "trl" else run_lit_cancel)(folder, ROWS[row], steps)
+        result = {"ends": ends, "lengths": lengths}
+    result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result))
 
 
 @dataclass
 class Measured:
     seconds: float  # median per step
     peak_mib: float
-    lengths: list[int]  # every completion of the timed steps
+    lengths: list[int]  # every completion of the timed steps; of the agent row, the tokens each episode trains
+    environment: list[int] = field(default_factory=list)  # the agent row: the environment's tokens of each episode
+    pass_tokens: list[int] = field(default_factory=list)  # the agent row: the tokens of each timed step's training pass
 
     @property
     def mean_length(self) -> float:
@@ -251,7 +436,7 @@ class Measured:
 
     @property
     def length_se(self) -> float:
-        return statistics.stdev(self.lengths) / math.sqrt(len(self.lengths))
+        return standard_error(self.lengths)
 
     def limit_share(self, limit: int) -> float:
         """The share of completions that reached ``limit`` tokens (cut there, or ending at EOS exactly there)."""
@@ -260,6 +445,10 @@ class Measured:
     @property
     def tokens_per_s(self) -> float:
         return self.mean_length * PROMPTS * GROUP / self.seconds
+
+
+def standard_error(values: list[int]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def measure(framework: str, folder: str, row: str, args: argparse.Namespace) -> Measured:
@@ -274,12 +463,47 @@ def measure(framework: str, folder: str, row: str, args: argparse.Namespace) -> 
     result = json.loads(lines[-1][len("RESULT "):])
     intervals = [b - a for a, b in zip(result["ends"], result["ends"][1:])][args.warmup:]
     # step k's lengths are those of the rollouts it trained on; the timed intervals end at steps warmup+1 ...
-    timed = result["lengths"][args.warmup + 1 : args.warmup + 1 + len(intervals)]
-    return Measured(statistics.median(intervals), result["peak_mib"], [n for step in timed for n in step])
+    timed_steps = slice(args.warmup + 1, args.warmup + 1 + len(intervals))
+
+    def timed(counts: list[list[int]]) -> list[int]:
+        return [n for step in counts[timed_steps] for n in step]
+
+    return Measured(statistics.median(intervals), result["peak_mib"], timed(result["lengths"]), timed(result.get("environment", [])),
+                    result.get("pass_tokens", [])[timed_steps])
+
+
+def mean_cell(values: list[int]) -> str:
+    return f"{statistics.fmean(values):.1f} ± {1.96 * standard_error(values):.1f}"
 
 
 def length_cell(m: Measured) -> str:
-    return f"{m.mean_length:.1f} ± {1.96 * m.length_se:.1f}"
+    return mean_cell(m.lengths)
+
+
+def differ(a: list[int], b: list[int]) -> bool:
+    """Whether two means differ by more than 1.96 standard errors of their difference."""
+    return abs(statistics.fmean(a) - statistics.fmean(b)) > 1.96 * math.hypot(standard_error(a), standard_error(b))
+
+
+def agent_row(args: argparse.Namespace) -> None:
+    """The agent row's table: both frameworks on :func:`agent_task`'s episodes."""
+    with tempfile.TemporaryDirectory() as scratch:
+        params = write_agent_model(Path(scratch))
+        trl_run, lit_run = measure("trl", scratch, AGENT, args), measure("lit_cancel", scratch, AGENT, args)
+    limits = agent_task().limits
+    print("| work per step | TRL s/step | lit_cancel s/step | ratio | trained tokens per episode, TRL / lit_cancel "
+          "| environment tokens per episode, TRL / lit_cancel | tokens in a step's training pass, TRL (padded) / lit_cancel "
+          "| TRL peak RSS | lit_cancel peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    label = (f"{params / 1e6:.1f} M params ({AGENT_MODEL}), 5-digit additions with the calculate tool, at most "
+             f"{limits.max_turns} turns of {limits.max_turn_tokens} tokens, fp32, checkpointing off")
+    cells = []
+    for counts in ("lengths", "environment"):
+        trl_counts, lit_counts = getattr(trl_run, counts), getattr(lit_run, counts)
+        cells.append(f"{mean_cell(trl_counts)} / {mean_cell(lit_counts)}{' (differ)' if differ(trl_counts, lit_counts) else ''}")
+    print(f"| {label} | {trl_run.seconds:.3f} | {lit_run.seconds:.3f} | {lit_run.seconds / trl_run.seconds:.2f}x "
+          f"| {cells[0]} | {cells[1]} | {statistics.fmean(trl_run.pass_tokens):,.0f} / {statistics.fmean(lit_run.pass_tokens):,.0f} "
+          f"| {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
 
 
 def main() -> None:
@@ -288,6 +512,8 @@ def main() -> None:
     parser.add_argument("--realistic", action="store_true", help=f"the rows {', '.join(REALISTIC)} (EOS on)")
     parser.add_argument("--sweep", action="store_true",
                         help=f"the length sweep: {', '.join(map(str, SWEEP_LENGTHS))} tokens, lengths varying and running to the limit")
+    parser.add_argument("--agent", action="store_true",
+                        help="the agent row: multi-turn episodes with a tool, TRL's environment_factory against lit_cancel's")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per framework (median)")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
     parser.add_argument("--threads", type=int, help="torch threads in each run (default: torch's choice)")
@@ -303,14 +529,20 @@ def main() -> None:
     except ImportError:
         print("benchmarks/performance/vs_trl.py compares with TRL, which is not installed: pip install -e \".[bench]\"")
         return
+    settings = (f"TRL {trl.__version__} GRPOTrainer vs lit_cancel, CPU, {args.threads or torch.get_num_threads()} threads; "
+                f"{PROMPTS} prompts x {GROUP} rollouts per step, T=1, top_p=1, top_k=0, GRPO (TRL loss_type=grpo, "
+                f"scale_rewards=group, epsilon=0.2), beta=0, one update per round, AdamW lr {LR:g}, grad-norm clip 1.0; median "
+                f"of {args.steps} steps after {args.warmup} warm-up")
+    if args.agent:
+        print(f"{settings}; TRL environment_factory and lit_cancel EnvironmentTask(trl_environment=...) on one environment; "
+              "tokens per episode: mean ± 95% interval, EOS included\n")
+        agent_row(args)
+        return
     rows = REALISTIC if args.realistic else list(SWEEP) if args.sweep else args.rows.split(",")
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
-    print(f"TRL {trl.__version__} GRPOTrainer vs lit_cancel, CPU, {args.threads or torch.get_num_threads()} threads; {PROMPTS} prompts x "
-          f"{GROUP} rollouts per step, T=1, top_p=1, top_k=0, GRPO (TRL loss_type=grpo, scale_rewards=group, "
-          f"epsilon=0.2), beta=0, one update per round, AdamW lr {LR:g}, grad-norm clip 1.0; median of {args.steps} steps "
-          f"after {args.warmup} warm-up; completion length: mean ± 95% interval, EOS included\n")
+    print(f"{settings}; completion length: mean ± 95% interval, EOS included\n")
     print("| work per step | TRL s/step | lit_cancel s/step | ratio | TRL tokens/s | lit_cancel tokens/s "
           "| TRL length | lit_cancel length | reached the limit (TRL / lit_cancel) | TRL peak RSS | lit_cancel peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -324,10 +556,9 @@ def main() -> None:
                  f"checkpointing {'on' if row.checkpointing else 'off'}"
                  f"{f' (lit_cancel by {row.checkpointing})' if isinstance(row.checkpointing, str) else ''}"
                  f"{', lit_cancel compiled' if row.compiled else ''}")
-        differ = abs(trl_run.mean_length - lit_run.mean_length) > 1.96 * math.hypot(trl_run.length_se, lit_run.length_se)
         print(f"| {label} | {trl_run.seconds:.3f} | {lit_run.seconds:.3f} | {lit_run.seconds / trl_run.seconds:.2f}x "
               f"| {trl_run.tokens_per_s:,.0f} | {lit_run.tokens_per_s:,.0f} | {length_cell(trl_run)} | {length_cell(lit_run)}"
-              f"{' (lengths differ)' if differ else ''} "
+              f"{' (lengths differ)' if differ(trl_run.lengths, lit_run.lengths) else ''} "
               f"| {trl_run.limit_share(row.new_tokens):.0%} / {lit_run.limit_share(row.new_tokens):.0%} "
               f"| {trl_run.peak_mib:,.0f} MiB | {lit_run.peak_mib:,.0f} MiB |", flush=True)
 

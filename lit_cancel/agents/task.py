@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.agents.environment import Environment
 from lit_cancel.agents.episodes import EpisodeLimits, run_episodes
+from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import from_trl_factory
 from lit_cancel.engines import RolloutEngine
 from lit_cancel.generation import Generation
@@ -87,6 +88,10 @@ class EnvironmentTask(AgentTask):
             record's prompt as one user message, with the environment's tool schemas (``tools=``) and the assistant's
             generation prompt, as an instruct model expects them; None: prompts as the task gives them. The folder is
             read when records are first asked for (at start-up), so a recipe builds where it is absent.
+        call_format: how the tool calls of a TRL environment are written in the policy's turns and its results shown
+            (:class:`~lit_cancel.agents.HermesCalls`, Qwen2.5's, when None; :class:`~lit_cancel.agents.ColonCalls` for the
+            embedded agent): what TRL reads from the tokenizer's chat template. An ``environment`` of your own parses its
+            turns itself.
 
     Example (YAML)::
 
@@ -100,17 +105,25 @@ class EnvironmentTask(AgentTask):
 
     def __init__(self, task: Task, environment: Callable[[], Environment] | None = None,
                  trl_environment: Callable[[], object] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
-                 max_episode_tokens: int = 512, tool_timeout: float = 10.0, chat_template: str | None = None) -> None:
+                 max_episode_tokens: int = 512, tool_timeout: float = 10.0, chat_template: str | None = None,
+                 call_format: CallFormat | None = None) -> None:
         super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
         if (environment is None) == (trl_environment is None):
             raise ValueError("EnvironmentTask: give exactly one of environment (an Environment factory) and trl_environment "
                              "(a TRL environment_factory)")
+        if call_format is not None and trl_environment is None:
+            raise ValueError("EnvironmentTask: call_format applies to a trl_environment; an environment of your own parses "
+                             "its turns in its step")
+        if call_format is not None and not isinstance(call_format, CallFormat):
+            raise ValueError(f"EnvironmentTask: call_format must be a CallFormat (e.g. lit_cancel.agents.ColonCalls), got "
+                             f"{call_format!r}")
         for name, value in (("environment", environment), ("trl_environment", trl_environment)):
             if value is not None and not callable(value):
                 raise ValueError(f"EnvironmentTask: {name} must be a class or a function that makes one per episode, got "
                                  f"{value!r}")
         self.task = task
-        self.make = environment if environment is not None else from_trl_factory(trl_environment, timeout=tool_timeout)
+        self.make = (environment if environment is not None else
+                     from_trl_factory(trl_environment, calls=call_format, timeout=tool_timeout))
         self.chat_template = chat_template
         self.rendered: dict[str, list[Record]] = {}
 

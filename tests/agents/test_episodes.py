@@ -11,11 +11,13 @@ import torch
 from lit_cancel import RLModule
 from lit_cancel.agents import (
     AgentTask,
+    ColonCalls,
     Environment,
     EnvironmentFailure,
     EnvironmentTask,
     Observation,
     ToolAdditionTask,
+    calculate,
     run_episodes,
 )
 from lit_cancel.agents.episodes import EpisodeLimits
@@ -201,6 +203,36 @@ def test_a_trl_environment_runs_its_tools_in_episodes_and_scores_them_with_get_r
     assert generation.rewards.tolist() == [1.0, 1.0]
     assert "<tool_response>\n5\n</tool_response>" in generation.texts[0]
     assert generation.stats["rollout/tool_calls"] == 1.0 and generation.stats["rollout/tool_errors"] == 0.0
+
+
+def test_a_trl_environment_reads_its_calls_in_the_call_format_given():
+    class Calculator:
+        def reset(self, **row):
+            return None
+
+        def calculate(self, expression: str) -> str:
+            """Evaluates an arithmetic expression.
+
+            Args:
+                expression: the expression.
+            """
+            return calculate(expression)
+
+    policy = ScriptedPolicy(lambda context: ("5" if "<eos>" in context else "calculate: 2+3", True), max_new_tokens=20)
+    task = EnvironmentTask(AdditionTask(num_digits=1, train_size=4, val_size=2), trl_environment=Calculator,
+                           call_format=ColonCalls(), max_turns=3)
+    records = [{"prompt": "2+3=", "answer": "5"}]
+    generation = task.rollout(policy, records, *encoded(policy.tokenizer, records))
+    assert generation.texts == ["calculate:2+3 = 5\n5"]  # the tiny tokenizer drops spaces from the turn it decodes
+    assert generation.stats["rollout/tool_calls"] == 1.0 and generation.stats["rollout/tool_errors"] == 0.0
+
+
+def test_a_call_format_is_refused_for_an_environment_of_your_own_and_when_it_is_not_a_call_format():
+    task = AdditionTask(num_digits=1, train_size=4, val_size=2)
+    with pytest.raises(ValueError, match="call_format applies to a trl_environment"):
+        EnvironmentTask(task, environment=Countdown, call_format=ColonCalls())
+    with pytest.raises(ValueError, match="call_format must be a CallFormat .* got 'colon'"):
+        EnvironmentTask(task, trl_environment=dict, call_format="colon")
 
 
 def test_environment_task_takes_exactly_one_environment():
