@@ -61,7 +61,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    sampler_step: int | None = None
+    turn_steps: list[int] = field(default_factory=list)
     ending: str | None = None
 
     def append(self, tokens: list[int], from_policy: bool, logprobs: list[float] | None = None) -> None:
@@ -129,8 +129,7 @@ def take_turn(episode: Episode, generation: Generation, row: int, turn: int, las
     tokens = generation.input_ids[row, generation.prompt_length:][sampled].tolist()
     logprobs = None if generation.sampler_logprobs is None else generation.sampler_logprobs[row][sampled].tolist()
     if generation.sampler_steps is not None:
-        step = int(generation.sampler_steps[row])
-        episode.sampler_step = step if episode.sampler_step is None else min(episode.sampler_step, step)
+        episode.turn_steps.append(int(generation.sampler_steps[row]))
     room = limits.max_episode_tokens - len(episode.tokens)
     stopped = bool(tokens) and tokens[-1] in stops
     episode.turns += 1
@@ -167,9 +166,10 @@ def as_generation(episodes: list[Episode], pad_id: int, device: torch.device, re
     attended *= torch.tensor([bool(e.tokens) for e in episodes]).unsqueeze(1)
     from_policy, _ = padded([e.from_policy or [False] for e in episodes], 0, left=False)
     sampler_logprobs = None
-    if any(e.sampler_step is not None or any(e.sampler_logprobs) for e in episodes):
+    if any(e.turn_steps or any(e.sampler_logprobs) for e in episodes):
         sampler_logprobs = padded_floats([e.sampler_logprobs for e in episodes], tokens.shape[1])
-    steps = [e.sampler_step for e in episodes]
+    # a row counts as sampled by the oldest weights any of its turns had
+    steps = [min(e.turn_steps, default=None) for e in episodes]
     return Generation(
         input_ids=torch.cat([prompt_ids, tokens], 1).to(device),
         attention_mask=torch.cat([prompt_mask, attended], 1).to(device),
@@ -197,7 +197,9 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
     ``turns`` per episode; ``tool_calls`` and ``tool_errors`` per episode; ``env_token_share``, the environment's
     share of the tokens after the prompts; ``frac_turn_limit``, episodes that ran out of turns; ``frac_turn_cut``,
     turns cut at ``max_turn_tokens``; ``frac_episode_cut``, episodes cut at ``max_episode_tokens``;
-    ``frac_truncated``, episodes cut by either token limit (as a single-turn completion cut at ``max_new_tokens``).
+    ``frac_truncated``, episodes cut by either token limit (as a single-turn completion cut at ``max_new_tokens``);
+    where the engine reports each turn's weights (sampled ahead of the trainer), ``mixed_versions``, the episodes whose
+    turns more than one weights version sampled.
     """
     count = len(episodes)
     endings = {ending: sum(e.ending == ending for e in episodes) / count for ending in ENDINGS}
@@ -213,4 +215,5 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "rollout/frac_turn_cut": sum(e.ending == "turn_cut" for e in episodes) / max(turns, 1),
         "rollout/frac_episode_cut": endings["episode_cut"],
         "rollout/frac_truncated": endings["turn_cut"] + endings["episode_cut"],
-    }
+    } | ({"rollout/mixed_versions": sum(len(set(e.turn_steps)) > 1 for e in episodes) / count}
+         if any(e.turn_steps for e in episodes) else {})

@@ -12,6 +12,7 @@ import torch
 
 from lit_cancel import GRPO, RLModule, RolloutDataModule
 from lit_cancel.agents import ToolAdditionTask
+from lit_cancel.agents.episodes import Episode, as_generation, episode_stats
 from lit_cancel.engines import DecodeLoop, PolicyWeights, Sampled
 from lit_cancel.logprobs import completion_logprobs
 from lit_cancel.sharding import ModelRoot
@@ -106,3 +107,15 @@ def test_an_agent_s_episodes_sampled_ahead_train_one_round_late_with_each_turn_s
         assert closest[policy].max() < 1e-4
     assert stale >= 2, "rounds after the first train episodes sampled one round earlier"
     assert trainer.callback_metrics["rollout/staleness_max"] <= 1
+    assert 0 <= trainer.callback_metrics["rollout/mixed_versions"] <= 1
+
+
+def test_an_episode_whose_turns_two_versions_sampled_counts_as_mixed_and_as_sampled_by_the_older():
+    episodes = [Episode([1, 2], None, "record 0", tokens=[5, 6], from_policy=[True, True], turn_steps=[3, 3]),
+                Episode([1, 2], None, "record 1", tokens=[5, 7], from_policy=[True, True], turn_steps=[4, 3])]
+    generation = as_generation(episodes, 0, torch.device("cpu"), [1.0, 0.0], 0.0, episode_stats(episodes))
+    assert generation.sampler_steps.tolist() == [3, 3]
+    assert generation.stats["rollout/mixed_versions"] == 0.5
+    episodes[0].turn_steps = episodes[1].turn_steps = []  # an engine that samples with the current weights reports none
+    assert "rollout/mixed_versions" not in episode_stats(episodes)
+    assert as_generation(episodes, 0, torch.device("cpu"), [1.0, 0.0], 0.0, {}).sampler_steps is None
