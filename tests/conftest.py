@@ -35,6 +35,32 @@ def agent_episodes(module, seed: int = 0):
     return generation
 
 
+def check_sampled_ahead(trained, versions, tolerance: float = 1e-4) -> int:
+    """Checks batches of episodes sampled one round ahead, ``(step, batch)`` pairs with one step a round: every row 0 or 1
+    round behind the step that trains it, the tool's replies without a sampler log-prob, and each policy token's sampler
+    log-prob that of one of ``versions`` (optimizer step -> model) from its row's step to the training step, within
+    ``tolerance``. Returns how many batches hold rows sampled a round earlier."""
+    from lit_cancel.logprobs import completion_logprobs
+
+    stale = 0
+    for step, batch in trained:
+        behind = step - batch.sampler_steps
+        assert (behind >= 0).all() and (behind <= 1).all(), (step, batch.sampler_steps)
+        stale += int((behind == 1).any())
+        policy = batch.completion_mask.bool()
+        replies = batch.attention_mask[:, batch.prompt_length:].bool() & ~policy
+        assert replies.any(), "the episodes need the tool's replies between turns"
+        assert (batch.sampler_logprobs[replies] == 0).all()
+        closest = torch.full_like(batch.sampler_logprobs, float("inf"))
+        for version in range(int(batch.sampler_steps.min()), step + 1):
+            if version in versions:
+                with torch.no_grad():
+                    logprobs, _ = completion_logprobs(versions[version], batch.input_ids, batch.attention_mask, batch.prompt_length)
+                closest = torch.minimum(closest, (logprobs - batch.sampler_logprobs).abs())
+        assert closest[policy].max() < tolerance
+    return stale
+
+
 def save_tiny_model(folder, seed: int = 0, hidden: int = 32, layers: int = 2):
     """A randomly initialised Qwen2 with the character tokenizer, saved as a Hugging Face folder."""
     tokenizer = build_char_tokenizer()

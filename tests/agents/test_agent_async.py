@@ -9,6 +9,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from conftest import check_sampled_ahead
 
 from lit_cancel import GRPO, RLModule, RolloutDataModule
 from lit_cancel.agents import ToolAdditionTask
@@ -87,24 +88,11 @@ def test_an_agent_s_episodes_sampled_ahead_train_one_round_late_with_each_turn_s
     ahead = [call for call in engine.calls if call[0] == "sample_ahead"]
     assert ahead and all(thread != threading.main_thread().name for _, _, thread in ahead)
 
-    stale = 0
-    for step, batch, credits in rounds.trained:
-        behind = step - batch.sampler_steps
-        assert (behind >= 0).all() and (behind <= 1).all(), (step, batch.sampler_steps)
-        stale += int((behind == 1).any())
-        policy = batch.completion_mask.bool()
-        replies = batch.attention_mask[:, batch.prompt_length:].bool() & ~policy
-        assert replies.any(), "the episodes need the tool's replies between turns"
-        assert (batch.sampler_logprobs[replies] == 0).all() and (credits[replies] == 0).all()
-        # each policy token carries its log-prob under a version the engine held between the row's step and this one
-        closest = torch.full_like(batch.sampler_logprobs, float("inf"))
-        for version in range(int(batch.sampler_steps.min()), step + 1):
-            if version in engine.versions:
-                with torch.no_grad():
-                    logprobs, _ = completion_logprobs(engine.versions[version], batch.input_ids, batch.attention_mask,
-                                                      batch.prompt_length)
-                closest = torch.minimum(closest, (logprobs - batch.sampler_logprobs).abs())
-        assert closest[policy].max() < 1e-4
+    # each policy token carries its log-prob under a version the engine held between the row's step and this one
+    stale = check_sampled_ahead([(step, batch) for step, batch, _ in rounds.trained], engine.versions)
+    for _, batch, credits in rounds.trained:
+        replies = batch.attention_mask[:, batch.prompt_length:].bool() & ~batch.completion_mask.bool()
+        assert (credits[replies] == 0).all()
     assert stale >= 2, "rounds after the first train episodes sampled one round earlier"
     assert trainer.callback_metrics["rollout/staleness_max"] <= 1
     assert 0 <= trainer.callback_metrics["rollout/mixed_versions"] <= 1

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import agent_episodes  # noqa: E402
+from conftest import agent_episodes, check_sampled_ahead  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
@@ -47,7 +47,6 @@ from lit_cancel.engines.server_process import (  # noqa: E402
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
 from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
 from lit_cancel.hub import resolve_model_path  # noqa: E402
-from lit_cancel.logprobs import completion_logprobs  # noqa: E402
 from lit_cancel.rollouts import encode_prompts  # noqa: E402
 
 CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-server.yaml"
@@ -477,21 +476,8 @@ def test_agent_episodes_sampled_ahead_on_a_server_train_a_round_late_each_token_
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[versions])
     trainer.fit(module, datamodule=data)
-    stale = 0
-    for step, batch in versions.trained:
-        behind = step - batch.sampler_steps
-        assert (behind >= 0).all() and (behind <= 1).all()
-        stale += int((behind == 1).any())
-        replies = batch.attention_mask[:, batch.prompt_length:].bool() & ~batch.completion_mask.bool()
-        assert replies.any() and (batch.sampler_logprobs[replies] == 0).all()
-        closest = torch.full_like(batch.sampler_logprobs, float("inf"))
-        for version in range(int(batch.sampler_steps.min()), step + 1):
-            with torch.no_grad():
-                logprobs, _ = versions.versions[version](completion_logprobs, batch.input_ids, batch.attention_mask,
-                                                         batch.prompt_length)
-            closest = torch.minimum(closest, (logprobs - batch.sampler_logprobs).abs())
-        assert closest[batch.completion_mask.bool()].max() < TOLERANCE
-    assert stale >= 1
+    models = {step: root.model for step, root in versions.versions.items()}
+    assert check_sampled_ahead(versions.trained, models, TOLERANCE) >= 1
 
 
 def test_the_server_quickstart_raises_held_out_accuracy_and_its_server_stops_at_once_with_requests_in_flight(tmp_path):
