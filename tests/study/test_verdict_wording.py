@@ -21,6 +21,8 @@ P = r"<?[\d.]+"  # a printed p: 0.0093, 0.22, <0.001
 INTERVAL = r"(?P<interval>–|-?\d+\.\d+(?: ± \d+\.\d+)?)"
 CELL = re.compile(INTERVAL + r" \((?P<verdict>[^;()]+)(?P<fields>(?:; [^;()]+)*); n=(?P<n>\d+)\)")
 TREND = re.compile(INTERVAL + r" per [^()]+\((?P<verdict>[^;()]+)(?P<fields>(?:; [^;()]+?)*), \d+ (?:paired|GRPO) runs\)")
+WELCH = re.compile(INTERVAL + r" \((?P<verdict>[^;()]+)(?P<fields>(?:; [^;()]+)*); Welch df (?P<df>[\d.]+); "
+                   r"n=(?P<a>\d+)\+(?P<b>\d+)\)")
 TOST_LINE = re.compile(rf"TOST p (?P<p>{P})(?:, Holm (?P<holm>{P}))? \(p of > −(?P<margin>[\d.]+): {P}, of < \+[\d.]+: {P}\): "
                        r"\*\*(?P<verdict>[^*]+)\*\* \(n=(?P<n>\d+)\)")
 FRAGMENT = re.compile(rf"(?:Holm )?p (?P<p>{P})(?:, TOST ±(?P<margin>[\d.]+) (?:Holm )?p (?P<tost>{P}))?: (?P<verdict>[a-z][^;),]*)")
@@ -28,6 +30,7 @@ CELL_VERDICT = re.compile(r"\((?:effect|inconclusive|n/a|nulls?|no effect|no dif
 BOLD_VERDICT = re.compile(r"\*\*(?:effect[^*]*|inconclusive|n/a|nulls?|no effect|no difference larger than [\d.]+)\*\*")
 README_WORDS = re.compile(r"\beffects?\b|\bnulls?\b|\bequivalent\b(?! solutions)|no difference larger than")
 PREDICTED = {"P1": 1, "P2": -1}  # E10-confirm's pre-registration: noise − untouched > 0 on P1, < 0 on P2
+E11_PREDICTED = {"E11 P1": 1, "E11 P2": 1, "E11 P3": 0}  # E11's: GRPO's tax above DFPOMin's, larger where groups agree
 
 
 def printed_p(text: str) -> float:
@@ -65,10 +68,12 @@ def equivalence_problem(text: str, n: int, margin: float, p_tost: float) -> str 
     return None
 
 
-def mde_problem(text: str, n: int, mde: float) -> str | None:
-    """The printed MDE is the 80%-power one of the printed interval, up to rounding."""
+def mde_problem(text: str, n: int, mde: float, df: float | None = None) -> str | None:
+    """The printed MDE is the 80%-power one of the printed interval, up to rounding (``n - 1`` degrees of freedom, or
+    Welch's ``df``)."""
     mean, half, decimals = interval(text)
-    expected = half * (stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) / stats.t.ppf(0.975, n - 1)
+    df = n - 1 if df is None else df
+    expected = half * (stats.t.ppf(0.975, df) + stats.t.ppf(0.8, df)) / stats.t.ppf(0.975, df)
     if abs(mde - expected) > 1.5 * 10.0**-decimals:
         return f"{text}: MDE {mde}, but the interval gives {expected:.4f}"
     return None
@@ -115,6 +120,46 @@ def cell_problems(match: re.Match, trend: bool = False) -> list[str]:
     elif not trend:
         problems.append(mde_problem(match.group("interval"), n, float(found["mde"])))
     return [problem for problem in problems if problem]
+
+
+def welch_problems(match: re.Match) -> list[str]:
+    """A Welch cell (two unpaired samples, no margin): its verdict by the rule at the smaller sample's size, its MDE
+    with the printed Welch degrees of freedom."""
+    text, found = match.group(0), fields(match.group("fields"))
+    if "±" not in match.group("interval"):
+        return [] if match.group("verdict") in ("inconclusive", "n/a") and "p" not in found else [f"{text}: a verdict without an interval"]
+    expected = rule(printed_p(found.get("holm", found.get("p", "nan"))), min(int(match.group("a")), int(match.group("b"))))
+    problems = [] if match.group("verdict") == expected else [f"{text}: says {match.group('verdict')!r}, the rule gives {expected!r}"]
+    if "mde" not in found:
+        return problems + [f"{text}: no MDE"]
+    problem = mde_problem(match.group("interval"), 0, float(found["mde"]), float(match.group("df")))
+    return problems + ([problem] if problem else [])
+
+
+def e11_row_problems(line: str) -> list[str]:
+    """A row of E11's primary table: its verdict by the rule on the Holm p (and, for P3, the raw TOST p against ±0.04),
+    an effect naming whether it goes the predicted way; the MDE (α 0.05) the one of its interval (Welch's degrees of
+    freedom where printed); the raw TOST against the interval."""
+    label, _, size, difference, _, mde, _, holm, tost, verdict = columns(line)
+    if difference == "–":
+        return [] if verdict == "**n/a**" else [f"{line}: a verdict without seeds"]
+    welch = re.fullmatch(r"(\d+) \+ (\d+) \(Welch df ([\d.]+)\)", size)
+    n = min(int(welch.group(1)), int(welch.group(2))) if welch else int(size)
+    margin = float(re.search(r"\(±([\d.]+)\)", tost).group(1)) if tost != "–" else None
+    raw_tost = printed_p(tost.split(" ")[0]) if margin is not None else math.nan
+    expected = rule(printed_p(holm), n, margin, raw_tost)
+    predicted = E11_PREDICTED[label.split(":")[0]]
+    if expected == "effect" and predicted:
+        goes = float(difference.split(" ± ")[0]) * predicted > 0
+        expected += ", the predicted direction" if goes else ", against the predicted direction"
+    problems = [] if verdict == f"**{expected}**" else [f"{line}: the rule gives {expected!r}"]
+    first_mde = mde.split(" / ")[0]
+    if not re.fullmatch(r"\d+\.\d+", first_mde):
+        return problems + [f"{line}: no MDE"]
+    problems.append(mde_problem(difference, n, float(first_mde), float(welch.group(3)) if welch else None))
+    if margin is not None:
+        problems.append(equivalence_problem(difference, n, margin, raw_tost))
+    return [p for p in problems if p]
 
 
 def tost_line_problems(match: re.Match) -> list[str]:
@@ -174,7 +219,9 @@ def replication_problems(text: str, confirm_rows: list[str]) -> list[str]:
 def generated_problems(text: str) -> tuple[list[str], int]:
     """Every problem in a generated part, and how many verdicts were checked; a verdict the parsers miss is a problem."""
     cells = [(match, False) for match in CELL.finditer(text)] + [(match, True) for match in TREND.finditer(text)]
+    welch = list(WELCH.finditer(text))
     tost_lines = list(TOST_LINE.finditer(text))
+    e11_rows = [line for line in text.splitlines() if line.startswith("| E11 P")]
     rows = [line for line in text.splitlines() if line.startswith(("| P1: ", "| P2: "))]
     primary = [line for line in rows if len(columns(line)) == 11]  # E10-confirm's rows have 10 columns
     confirm = [line for line in rows if line not in primary]
@@ -183,10 +230,13 @@ def generated_problems(text: str) -> tuple[list[str], int]:
     problems += [problem for line in primary for problem in e10_row_problems(line)]
     problems += [problem for line in confirm for problem in e10_confirm_row_problems(line)]
     problems += replication_problems(text, confirm)
-    unparsed = len(CELL_VERDICT.findall(text)) - len(cells) + len(BOLD_VERDICT.findall(text)) - len(tost_lines) - len(rows)
+    problems += [problem for match in welch for problem in welch_problems(match)]
+    problems += [problem for line in e11_rows for problem in e11_row_problems(line)]
+    checked = len(cells) + len(welch) + len(tost_lines) + len(rows) + len(e11_rows)
+    unparsed = len(CELL_VERDICT.findall(text)) + len(BOLD_VERDICT.findall(text)) - checked
     if unparsed:
         problems.append(f"{unparsed} verdicts in a form the checks do not read")
-    return problems, len(cells) + len(tost_lines) + len(rows)
+    return problems, checked
 
 
 def readme_problems(text: str) -> tuple[list[str], int]:

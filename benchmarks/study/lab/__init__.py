@@ -7,7 +7,8 @@ Each module imports only the ones before it, so there is no import circle:
 * ``lab.summaries``: each stored run's numbers, read from its TensorBoard scalars;
 * ``lab.cells``: the tables' cells (intervals, p-values, verdicts, TOST, ratios) and the Holm families;
 * ``lab.sections_e10``: E10's section, analysed as pre-registered in docs/experiments.md;
-* ``lab.sections``: the sections of docs/experiments.md, one per experiment (E10's from ``lab.sections_e10``);
+* ``lab.sections_e11``: E11's section, analysed as pre-registered in docs/experiments.md;
+* ``lab.sections``: the sections of docs/experiments.md, one per experiment (E10's and E11's from their modules);
 * ``lab.report``: docs/experiments.md's generated part, the PNGs and the experiment numbers of README.md;
 * ``lab.parts``: callbacks, trust regions and plans the runs load by class path (``lab.parts.X``).
 

@@ -21,6 +21,7 @@ from lab.stats import (
     slope_test,
     tost,
     verdict,
+    welch_test,
 )
 
 MIN_SEEDS = 5  # fewer paired seeds than this: the comparison is reported as inconclusive, whatever its interval
@@ -30,6 +31,18 @@ EQUIVALENCE_MARGIN = 0.04  # TOST margin on final accuracy, stated before the te
 def finite_values(runs: dict[int, dict], key: str) -> dict[int, float]:
     """``key`` of each seed's run, leaving out the runs where it is nan."""
     return {seed: run[key] for seed, run in runs.items() if not math.isnan(run[key])}
+
+
+def seed_ranges(seeds: list[int]) -> str:
+    """``0–9, 12, 14–29``: sorted seeds as ranges."""
+    if not seeds:
+        return "none"
+    ranges, start = [], seeds[0]
+    for previous, current in zip(seeds, seeds[1:] + [None]):
+        if current != previous + 1:
+            ranges.append(f"{start}" if start == previous else f"{start}–{previous}")
+            start = current
+    return ", ".join(ranges)
 
 
 def format_interval(mean: float, half: float, digits: int = 3) -> str:
@@ -137,6 +150,20 @@ def accuracy_difference(
     """Final accuracy, ``a - b`` paired over seeds, with TOST within the accuracy margin stated in round 3."""
     return difference(a, b, "val_end", family=family, comparison=comparison, margin=EQUIVALENCE_MARGIN,
                       equivalence_family=equivalence_family)
+
+
+def welch_difference(a: list[float], b: list[float], digits: int = 3, family: str | None = None,
+                     comparison: tuple = ()) -> str:
+    """``mean(a) - mean(b)`` of two unpaired samples by Welch's t-test: ``mean ± half (verdict; p raw, Holm adjusted;
+    MDE m; Welch df d; n=len(a)+len(b))``, the MDE with Welch's degrees of freedom, no margin (so an effect or
+    inconclusive; inconclusive where either sample has fewer than 5 values)."""
+    mean, half, p, df = welch_test(a, b)
+    adjusted = FAMILIES.adjust(family, comparison, p) if family else p
+    call = verdict(adjusted) if min(len(a), len(b)) >= MIN_SEEDS else "inconclusive"
+    tests = "" if math.isnan(p) else f"; p {format_p(p)}" + (f", Holm {format_p(adjusted)}" if family else "")
+    mde = minimal_detectable_effect(half, len(a) + len(b), df=df) if not math.isnan(df) else math.nan
+    detectable = "" if math.isnan(mde) else f"; MDE {mde:.{digits}f}; Welch df {df:.1f}"
+    return f"{format_interval(mean, half, digits)} ({call}{tests}{detectable}; n={len(a)}+{len(b)})"
 
 
 def pair(*names: str) -> tuple:

@@ -1,5 +1,5 @@
-"""The sections of docs/experiments.md, one per experiment (E1-E10; E10's in ``lab.sections_e10``), each its tables and
-paired comparisons."""
+"""The sections of docs/experiments.md, one per experiment (E1-E11; E10's in ``lab.sections_e10``, E11's in
+``lab.sections_e11``), each its tables and paired comparisons."""
 
 import itertools
 import math
@@ -18,6 +18,7 @@ from lab.cells import (
 )
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, E7_TRUST_REGIONS, STUDY
 from lab.sections_e10 import e10_confirm_section, e10_section
+from lab.sections_e11 import e11_section
 from lab.stats import mean_interval
 from lab.summaries import (
     BINNED_SPLITS,
@@ -368,4 +369,4 @@ def experiment_sections(results: dict, probes: dict[int, dict]) -> list[str]:
         lines += (section(dict(results[name])) if name in results else [f"#### {TITLES[name]}", "", "Not run yet."]) + [""]
     if "E10C" in results:
         lines += e10_confirm_section(dict(results["E10C"]), dict(results.get("E10", {}))) + [""]
-    return lines
+    return lines + e11_section(dict(results.get("E11", {}))) + [""]

@@ -20,6 +20,7 @@ from lab.cells import (
     format_interval,
     format_p,
     scientific_cell,
+    seed_ranges,
 )
 from lab.runs import E10_SEEDS, E10_SETTING, E10C_ARMS, E10C_SEEDS, WALL_CLOCK, compare_scalars, without_timings
 from lab.stats import (
@@ -53,18 +54,6 @@ SENSITIVITY_FIRST_SEED = 3  # seeds 0-2 were seen in the pilot, which chose P1's
 HOLM_TESTS = 4  # the primary family's size: its strictest Holm level is alpha / 4
 
 
-def _seeds(seeds: list[int]) -> str:
-    """``0–9, 12, 14–29``: sorted seeds as ranges."""
-    if not seeds:
-        return "none"
-    ranges, start = [], seeds[0]
-    for previous, current in zip(seeds, seeds[1:] + [None]):
-        if current != previous + 1:
-            ranges.append(f"{start}" if start == previous else f"{start}–{previous}")
-            start = current
-    return ", ".join(ranges)
-
-
 def _from(runs: dict[int, dict], first: int) -> dict[int, dict]:
     return {seed: run for seed, run in runs.items() if seed >= first}
 
@@ -76,7 +65,7 @@ def _stored_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
     parts = []
     for arm, count in E10_SEEDS.items():
         missing = sorted(set(range(count)) - set(arms.get(arm, {})))
-        parts.append(f"`{arm}` {count - len(missing)}/{count}" + (f" (missing seeds {_seeds(missing)})" if missing else ""))
+        parts.append(f"`{arm}` {count - len(missing)}/{count}" + (f" (missing seeds {seed_ranges(missing)})" if missing else ""))
     provenance = {}
     for seeds in arms.values():
         for run in seeds.values():
@@ -204,7 +193,7 @@ def _identity_line(arms: dict[str, dict[int, dict]]) -> str:
             f"region's own {', '.join(f'`{tag}`' for tag in own) or 'none'}): **identical at {len(same)} of {len(seeds)} seeds**")
     different = [seed for seed in seeds if seed not in same]
     if not different:
-        return line + f" (seeds {_seeds(seeds)})."
+        return line + f" (seeds {seed_ranges(seeds)})."
     details = []
     for seed in different:
         comparison = comparisons[seed]
@@ -306,7 +295,7 @@ def e10_confirm_section(runs: dict, e10: dict) -> list[str]:
     commits = sorted({run["commit"] for seeds in arms.values() for run in seeds.values()})
     cpus = sorted({run["cpu"] for seeds in arms.values() for run in seeds.values()})
     lines = ["#### E10-confirm (E10's untouched and noise arms on seeds "
-             f"{_seeds(list(E10C_SEEDS))}; pre-registered above)", "",
+             f"{seed_ranges(list(E10C_SEEDS))}; pre-registered above)", "",
              f"Stored: {stored} of {len(E10C_ARMS) * len(E10C_SEEDS)} runs; commit {', '.join(c[:7] for c in commits) or '–'}; "
              f"CPU {', '.join(cpus) or '–'}.", ""]
     if not base or not noise:

@@ -1,6 +1,6 @@
 """Each stored run's numbers: what the report compares, read from the TensorBoard scalars in its JSON.
 
-``load()`` gives ``experiment -> (arm, setting) -> seed -> summary``; the helpers below derive the
+``load()`` gives ``experiment -> (arm, setting) -> seed -> summary`` (E10's and E11's with their own numbers); the helpers below derive the
 quantities that need more than one scalar (steps to a threshold, drift at matched movement, token
 flips at equal confidence). ``lab.sections`` turns them into tables.
 """
@@ -149,6 +149,49 @@ def load_e10(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict
     return dict(runs)
 
 
+E11_EARLY_STEPS = 10  # S5, added after the pilot: the tax over steps 0-9, where the warm starts' contrast holds
+E11_LAST_STEPS = 5  # S1: entropy over the last 5 steps (35-39)
+
+
+def _at_step(record: dict, tag: str, step: int) -> float:
+    return next((value for at, value in record["scalars"].get(tag, []) if at == step), math.nan)
+
+
+def e11_summary(record: dict) -> dict:
+    """:func:`summary` plus E11's own numbers (pre-registered in docs/experiments.md): the tax over steps 0-9 (S5), the
+    entropy over the last 5 steps (S1), the manipulation check at step 0 and over the run, the episodes' shape."""
+    provenance = record.get("provenance", {})
+    tax = record["scalars"].get("health/learning_tax", [])
+    return {
+        **summary(record),
+        "tax_early": _mean([value for step, value in tax if step < E11_EARLY_STEPS]),
+        "entropy_end": _last(record, "health/entropy_mean", E11_LAST_STEPS),
+        "entropy_start": _at_step(record, "health/entropy_mean", 0),
+        "agreement_start": _at_step(record, "rollout/first_turn_agreement", 0),
+        "agreement": _mean(_values(record, "rollout/first_turn_agreement")),
+        "shared_policy_start": _at_step(record, "rollout/shared_policy_tokens", 0),
+        "shared_policy": _mean(_values(record, "rollout/shared_policy_tokens")),
+        "tool_calls": _mean(_values(record, "rollout/tool_calls")),
+        "turns": _mean(_values(record, "rollout/turns")),
+        "zero_std_groups": _mean(_values(record, "rollout/frac_zero_std_groups")),
+        "steps": len(tax),
+        "wall_s": float(record.get("wall_s", math.nan)),
+        "commit": provenance.get("commit", "?"),
+        "cpu": provenance.get("cpu", "?"),
+    }
+
+
+def load_e11(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict]]:
+    """``(arm, setting) -> seed -> summary`` (:func:`e11_summary`) of E11's runs, the files ``<arm>-<setting>-seed<N>.json``
+    directly in ``folder`` (default ``benchmarks/study/results/E11``; the pilot's subfolder and the warm starts' JSON
+    are not read)."""
+    runs: dict = defaultdict(dict)
+    for path in sorted((folder or RESULTS / "E11").glob("*-seed*.json")):
+        record = json.loads(path.read_text())
+        runs[(record["arm"], record["setting"])][record["seed"]] = e11_summary(record)
+    return dict(runs)
+
+
 def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
     """``experiment -> (arm, setting) -> seed -> summary`` of every stored run in ``folder`` (default
     ``benchmarks/study/results``); E10's main runs and E10-confirm's come from :func:`load_e10`."""
@@ -163,6 +206,8 @@ def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int
         runs = load_e10(folder / name)
         if runs:
             results[name] = defaultdict(dict, runs)
+    if e11 := load_e11(folder / "E11"):
+        results["E11"] = defaultdict(dict, e11)
     return results
 
 
