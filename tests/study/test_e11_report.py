@@ -8,9 +8,10 @@ import statistics
 import pytest
 from lab import sections_e11
 from lab.cells import FAMILIES
+from lab.report import e11_readme_lines
 from lab.sections_e11 import e11_section, manipulation_lines
 from lab.summaries import load_e11
-from test_verdict_wording import generated_problems
+from test_verdict_wording import generated_problems, readme_problems
 
 SEEDS = range(10)
 
@@ -135,3 +136,17 @@ def test_a_bug_in_a_cancelling_arm_and_a_warm_start_other_than_the_shipped_model
     record["scalars"]["health/learning_tax"][7][1] = 3e-4
     (tmp_path / "DFPOMin-mixed-tool50-seed2.json").write_text(json.dumps(record))
     assert "`DFPOMin` 3.0e-04 over 20 runs: ABOVE 1e-06, a bug to report" in sections_e11.identity_line(load_e11(tmp_path))
+
+
+def test_the_readme_bullet_quotes_the_primary_tests_with_their_verdicts(tmp_path, monkeypatch):
+    monkeypatch.setattr(sections_e11, "RESULTS", tmp_path)
+    write_runs(tmp_path, {"agreeing-tool95": grpo_tax("agreeing"), "mixed-tool50": grpo_tax("mixed")})
+    runs = load_e11(tmp_path)
+    rendered(runs)  # fills the Holm families the bullet quotes
+    bullet = "\n".join(e11_readme_lines(runs))
+    problems, checked = readme_problems(bullet)
+    assert not problems and checked == 3, problems
+    tax = statistics.fmean(1.75 * grpo_tax("agreeing")(seed) for seed in SEEDS)
+    assert f"GRPO leaves {tax:.4f} ± " in bullet and "DFPOMin ≤ 0e+00" in bullet
+    assert "TOST ±0.04 p" in bullet and bullet.endswith(": no difference larger than 0.04).")
+    assert e11_readme_lines({}) == []

@@ -14,7 +14,18 @@ from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
 from lab.sections import SHARED, experiment_sections
 from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_verdict
 from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
-from lab.stats import fieller_interval, mean_interval, paired_difference, paired_t_test, paired_values, tost, verdict
+from lab.sections_e11 import AGREEING, MIXED
+from lab.sections_e11 import PRIMARY as E11_PRIMARY
+from lab.stats import (
+    fieller_interval,
+    mean_interval,
+    paired_difference,
+    paired_t_test,
+    paired_values,
+    tost,
+    verdict,
+    welch_test,
+)
 from lab.summaries import confidence_adjusted, load
 
 DOC = ROOT / "docs" / "experiments.md"
@@ -178,6 +189,7 @@ def readme_lines(results: dict) -> list[str]:
         f"({rb_claim});",
         f"  sign-sorted (its opposite) − reward-balanced {_signed(opposite, 3)} ± {opposite_half:.3f} ({sorted_claim}).",
         *e10_readme_lines(results["E10"], results.get("E10C")),
+        *e11_readme_lines(dict(results.get("E11", {}))),
         README_END,
     ]
 
@@ -222,6 +234,27 @@ def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
             f"({_claim(None, (), p, P2_MARGIN, p_tost)}); its secondary, the KL at the shared contexts, {_signed(kl, 3)} ± "
             f"{kl_half:.3f} ({_claim(None, (), paired_t_test(kl_a, kl_b)[1])});",
             f"  {grpo}"]
+
+
+def e11_readme_lines(runs: dict) -> list[str]:
+    """E11's bullet: GRPO's tax on shared turns (P1), how much larger it is where a group's first turns agree more (P2),
+    and held-out success (P3), each with the verdict of its pre-registered test (after :func:`generated`)."""
+    grpo, dfpo, mixed = (finite_values(runs.get((arm, setting), {}), "tax") for arm, setting in
+                         (("GRPO", AGREEING), ("DFPOMin", AGREEING), ("GRPO", MIXED)))
+    if not grpo or not dfpo or not mixed:
+        return []
+    tax, tax_half, seeds = paired_difference(grpo, dfpo)
+    larger, larger_half, _, _ = welch_test(list(grpo.values()), list(mixed.values()))
+    success = [finite_values(runs[(arm, AGREEING)], "val_end") for arm in ("GRPO", "DFPOMin")]
+    gap, gap_half, _ = paired_difference(*success)
+    equivalence = tost(paired_values(*success), EQUIVALENCE_MARGIN)[0]
+    cancelled = max(run["tax_max"] for (arm, _), seeds in runs.items() if arm == "DFPOMin" for run in seeds.values())
+    return [f"* **Cancellation across turns (E11, a tool-using agent, pre-registered, {seeds} seeds)**: on turns a whole group "
+            f"shares, GRPO leaves {_signed(tax, 4)} ± {tax_half:.4f} of each update uncancelled, DFPOMin ≤ {cancelled:.0e} "
+            f"({_claim(E11_PRIMARY, ('E11 P1',))});",
+            f"  where first turns agree more, {_signed(larger, 4)} ± {larger_half:.4f} more ({_claim(E11_PRIMARY, ('E11 P2',))}); "
+            f"success GRPO − DFPOMin {_signed(gap, 3)} ± {gap_half:.3f} "
+            f"({_claim(E11_PRIMARY, ('E11 P3',), margin=EQUIVALENCE_MARGIN, p_equivalence=equivalence)})."]
 
 
 def _signed(value: float, digits: int) -> str:
