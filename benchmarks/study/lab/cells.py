@@ -5,7 +5,7 @@ first pass to collect each family's raw p-values, the second with the Holm-adjus
 """
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from lab.stats import (
     ALPHA,
@@ -43,6 +43,13 @@ def seed_ranges(seeds: list[int]) -> str:
             ranges.append(f"{start}" if start == previous else f"{start}–{previous}")
             start = current
     return ", ".join(ranges)
+
+
+def where_runs_ran(groups: list[dict[int, dict]]) -> str:
+    """``commit …, CPU: N runs; …``: how many of the runs in ``groups`` (each seed -> summary with ``commit`` and ``cpu``)
+    ran on each commit and CPU."""
+    counts = Counter((run["commit"], run["cpu"]) for seeds in groups for run in seeds.values())
+    return "; ".join(f"commit {commit[:12]}, {cpu}: {count} runs" for (commit, cpu), count in sorted(counts.items()))
 
 
 def format_interval(mean: float, half: float, digits: int = 3) -> str:

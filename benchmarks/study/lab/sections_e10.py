@@ -21,6 +21,7 @@ from lab.cells import (
     format_p,
     scientific_cell,
     seed_ranges,
+    where_runs_ran,
 )
 from lab.runs import E10_SEEDS, E10_SETTING, E10C_ARMS, E10C_SEEDS, WALL_CLOCK, compare_scalars, without_timings
 from lab.stats import (
@@ -66,13 +67,7 @@ def _stored_lines(arms: dict[str, dict[int, dict]]) -> list[str]:
     for arm, count in E10_SEEDS.items():
         missing = sorted(set(range(count)) - set(arms.get(arm, {})))
         parts.append(f"`{arm}` {count - len(missing)}/{count}" + (f" (missing seeds {seed_ranges(missing)})" if missing else ""))
-    provenance = {}
-    for seeds in arms.values():
-        for run in seeds.values():
-            key = (run["commit"], run["cpu"])
-            provenance[key] = provenance.get(key, 0) + 1
-    where = "; ".join(f"commit {commit[:12]}, {cpu}: {count} runs" for (commit, cpu), count in sorted(provenance.items()))
-    return [f"Runs stored: {stored} of the {expected} pre-registered ({', '.join(parts)}). {where}."]
+    return [f"Runs stored: {stored} of the {expected} pre-registered ({', '.join(parts)}). {where_runs_ran(list(arms.values()))}."]
 
 
 def _arm_table(arms: dict[str, dict[int, dict]]) -> list[str]:

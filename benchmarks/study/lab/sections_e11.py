@@ -27,8 +27,10 @@ from lab.cells import (
     format_p,
     seed_ranges,
     welch_difference,
+    where_runs_ran,
 )
 from lab.runs import AGENT_CONFIG, E11_ARMS, E11_SEEDS, E11_STEPS, E11_TOOL_SHARES, RESULTS, ROOT, e11_setting
+from lab.sections_e10 import confirm_verdict
 from lab.stats import (
     ALPHA,
     minimal_detectable_effect,
@@ -54,11 +56,11 @@ SHIPPED_WEIGHTS = ROOT / "lit_cancel" / "assets" / "tiny-agent" / "model.safeten
 
 def predicted_verdict(p: float, p_tost: float, mean: float, margin: float | None, predicted: int, n: int) -> str:
     """The pre-registered rule (:func:`lab.stats.verdict` on the Holm-adjusted p; inconclusive below 5 seeds), an
-    effect naming whether it goes the predicted way where a direction was predicted (``predicted`` ±1, 0 for none)."""
-    call = verdict(p, p_tost, margin) if n >= MIN_SEEDS else "inconclusive"
-    if call != "effect" or not predicted:
-        return call
-    return "effect, the predicted direction" if mean * predicted > 0 else "effect, against the predicted direction"
+    effect naming whether it goes the predicted way where a direction was predicted (``predicted`` ±1, 0 for none:
+    E10-confirm's :func:`lab.sections_e10.confirm_verdict`)."""
+    if n < MIN_SEEDS:
+        return "inconclusive"
+    return confirm_verdict(p, p_tost, mean, margin, predicted) if predicted else verdict(p, p_tost, margin)
 
 
 def _strict_mde(half: float, n: int, df: float) -> float:
@@ -154,19 +156,18 @@ def group_shape() -> tuple[int, int]:
     return int(data["prompts_per_round"]), int(data["group_size"])
 
 
-def _step_zero(arms: dict[str, dict[int, dict]]) -> tuple[int, int, list[int]]:
-    """``(agreeing groups, groups, seeds where the arms' step 0 differs)`` pooled over the seeds: the arms start from
-    the same model at the same seed, so their step-0 episodes, and these counts, should be the same."""
-    per_step, _ = group_shape()
+def _step_zero(arms: dict[str, dict[int, dict]], per_step: int) -> tuple[int, int, list[int]]:
+    """``(agreeing groups, groups, seeds where the arms' step 0 differs)`` pooled over the seeds, ``per_step`` groups a
+    step: the arms start from the same model at the same seed, so their step-0 episodes, and these counts, should be
+    the same."""
     seeds = sorted(set().union(*(set(runs) for runs in arms.values())))
     agreeing = groups = 0
     differ = []
     for seed in seeds:
-        starts = {(run["agreement_start"], run["shared_policy_start"]) for runs in arms.values()
-                  for s, run in runs.items() if s == seed}
-        if len(starts) > 1:
+        runs = [by_seed[seed] for by_seed in arms.values() if seed in by_seed]
+        if len({(run["agreement_start"], run["shared_policy_start"]) for run in runs}) > 1:
             differ.append(seed)
-        agreement = next(run["agreement_start"] for runs in arms.values() for s, run in runs.items() if s == seed)
+        agreement = runs[0]["agreement_start"]
         if not math.isnan(agreement):
             agreeing += round(agreement * per_step)
             groups += per_step
@@ -175,7 +176,8 @@ def _step_zero(arms: dict[str, dict[int, dict]]) -> tuple[int, int, list[int]]:
 
 def manipulation_lines(agreeing: dict[str, dict[int, dict]], mixed: dict[str, dict[int, dict]]) -> list[str]:
     """The manipulation check as pre-registered: whole-group first-turn agreement at step 0, pooled over the seeds."""
-    counts = {name: _step_zero(arms) for name, arms in (("agreeing", agreeing), ("mixed", mixed))}
+    per_step, group_size = group_shape()
+    counts = {name: _step_zero(arms, per_step) for name, arms in (("agreeing", agreeing), ("mixed", mixed))}
     if not all(groups for _, groups, _ in counts.values()):
         return ["Manipulation check: not both warm starts have runs yet."]
     described = "; ".join(f"{name} {hits} of {groups} ({hits / groups:.3f})" for name, (hits, groups, _) in counts.items())
@@ -184,7 +186,7 @@ def manipulation_lines(agreeing: dict[str, dict[int, dict]], mixed: dict[str, di
     holds = counts["agreeing"][0] / counts["agreeing"][1] > counts["mixed"][0] / counts["mixed"][1]
     outcome = ("**the manipulation holds** (the agreeing warm start's groups agree more often)" if holds else
                "**the manipulation does not hold**: P2 does not test its question")
-    return [f"Manipulation check (pre-registered, no test): groups whose {group_shape()[1]} first turns all agree at "
+    return [f"Manipulation check (pre-registered, no test): groups whose {group_size} first turns all agree at "
             f"step 0, before any update, pooled over the seeds: {described}: {outcome}. The step-0 episodes: {same}."]
 
 
@@ -231,11 +233,7 @@ def _stored_line(runs: dict) -> str:
             if missing:
                 parts.append(f"`{arm}` {setting} missing seeds {seed_ranges(missing)}")
     stored = sum(len(runs.get((arm, setting), {})) for arm in E11_ARMS for setting in (AGREEING, MIXED))
-    where: dict[tuple[str, str], int] = {}
-    for seeds in runs.values():
-        for run in seeds.values():
-            where[(run["commit"], run["cpu"])] = where.get((run["commit"], run["cpu"]), 0) + 1
-    provenance = "; ".join(f"commit {commit[:12]}, {cpu}: {count} runs" for (commit, cpu), count in sorted(where.items()))
+    provenance = where_runs_ran(list(runs.values()))
     steps = sorted({run["steps"] for seeds in runs.values() for run in seeds.values()})
     return (f"Runs stored: {stored} of the {expected} pre-registered" + (f" ({'; '.join(parts)})" if parts else "")
             + f". {provenance}. Steps logged per run: {', '.join(map(str, steps))}.")
