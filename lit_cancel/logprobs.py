@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lit_cancel.host_memory import release_free_heap
 from lit_cancel.sharding import is_sharded
 
 WIDTH_MULTIPLE = 8
@@ -217,9 +218,12 @@ def _chunked_logprobs(
         ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
         tokens = completion[chunk, : end - prompt_length]
         if recompute:
-            states.append(checkpoint(chunk_states, decoder, ids, mask, prompt_length - start, use_reentrant=False))
+            chunk_out = checkpoint(chunk_states, decoder, ids, mask, prompt_length - start, use_reentrant=False)
         else:
-            states.append(chunk_states(decoder, ids, mask, prompt_length - start))
+            chunk_out = chunk_states(decoder, ids, mask, prompt_length - start)
+        if chunk_out.requires_grad:
+            _release_between_chunks(chunk_out)
+        states.append(chunk_out)
         targets.append(ids[:, prompt_length - start :][tokens])
         chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
         rows.append(chunk[chunk_rows])
@@ -228,6 +232,20 @@ def _chunked_logprobs(
     # back to the rows' own order and columns, zero on padding
     where = (torch.cat(rows), torch.cat(columns))
     return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
+
+
+def _release_between_chunks(states: Tensor) -> None:
+    """Hands the heap's free pages back now, after a chunk's decoder pass, and again before that pass's backward.
+
+    A chunk's pass allocates and frees activations of a few MiB around the inputs that checkpointing keeps, so glibc's
+    heap fragments: without this, the freed pages of every chunk stay in the process and a training pass holds
+    several times the memory it uses (host_memory.py)."""
+    release_free_heap()
+    states.register_hook(_release_before_backward)
+
+
+def _release_before_backward(grad: Tensor) -> None:
+    release_free_heap()
 
 
 def _padded_states(decoder: nn.Module, ids: Tensor, mask: Tensor, prompt_length: int) -> Tensor:

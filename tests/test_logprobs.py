@@ -64,10 +64,31 @@ def test_activation_checkpointing_gives_the_same_gradient(checkpointing, max_tok
 def test_an_unknown_or_unbudgeted_checkpointing_mode_is_refused():
     from lit_cancel import RLModule
 
-    with pytest.raises(ValueError, match="must be false, true, 'blocks', 'chunks' or 'blocks\\+chunks', got 'layers'"):
+    with pytest.raises(ValueError, match="must be false, true, 'blocks', 'chunks', 'blocks\\+chunks' or 'auto', got 'layers'"):
         RLModule("embedded:tiny-adder", activation_checkpointing="layers")
     with pytest.raises(ValueError, match="'chunks' recomputes chunks of max_tokens_per_chunk, which is null"):
         RLModule("embedded:tiny-adder", activation_checkpointing="chunks", max_tokens_per_chunk=None)
+
+
+@pytest.mark.parametrize("recompute_chunks", [False, True])
+def test_a_training_pass_hands_the_heap_back_after_each_chunk_and_before_its_backward(monkeypatch, tiny_model_path, recompute_chunks):
+    from lit_cancel import logprobs as logprobs_module
+
+    events = []
+    monkeypatch.setattr(logprobs_module, "release_free_heap", lambda: events.append("release"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.get_decoder().norm.register_full_backward_pre_hook(lambda module, grad: events.append("backward"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [13, 5, 6, 7, 8, 9, 10, 11], [7, 7, 6, 5, 9, 9, 10, 12]])
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    with torch.no_grad():
+        completion_logprobs(model, ids, mask, 4, max_tokens_per_chunk=8)
+    assert events == []  # a rollout's scoring pass: nothing to fragment the heap with
+    logprobs, _ = completion_logprobs(model, ids, mask, 4, max_tokens_per_chunk=8, recompute_chunks=recompute_chunks)
+    assert events == ["release"] * 3  # one chunk per row under a budget of 8 tokens
+    events.clear()
+    (logprobs * mask[:, 4:]).sum().backward()
+    assert events == ["release", "backward"] * 3
 
 
 def saved_bytes_of_a_pass(module, ids, mask, prompt_length) -> int:

@@ -8,7 +8,8 @@ checkpointing), with exactly that many new tokens per rollout (EOS suppressed; `
 EOS). A thread reads the process's resident memory every millisecond and keeps the largest value seen in each
 phase of the last step: rollout (prefill and decoding), old and reference log-probs, the training forward, the
 backward pass, the optimizer step. "Before the step" is the memory at the end of the previous step (weights,
-optimizer state, the allocator's cache); a phase's growth is its peak above that.
+optimizer state, the allocator's cache); a phase's growth is its peak above that. "Seconds" is the step's wall time,
+from the previous step's end (the first step's from the start of training).
 """
 
 import argparse
@@ -76,6 +77,7 @@ class PhaseBoundaries(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.memory.peaks = {"before": resident_mib()}
+        self.started = time.perf_counter()
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.memory.enter("backward")
@@ -88,8 +90,11 @@ class PhaseBoundaries(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.memory.enter(None)
-        self.steps.append({"before the step": self.memory.peaks.pop("before", 0.0), **self.memory.peaks})
+        ended = time.perf_counter()
+        self.steps.append({"before the step": self.memory.peaks.pop("before", 0.0), **self.memory.peaks,
+                           "seconds": ended - self.started})
         self.memory.peaks = {"before": resident_mib()}
+        self.started = ended
 
 
 def child(row_name: str, length: int, eos: bool, steps: int, options: dict) -> dict:
@@ -134,8 +139,9 @@ def main() -> None:
     print(f"the {args.row} row's model ({'bf16' if row.bf16 else 'fp32'}), {'EOS or ' if args.eos else 'exactly '}LENGTH new tokens, "
           f"8 prompts x 8 rollouts, {args.threads or torch.get_num_threads()} threads, "
           f"{', '.join(f'{name}={value!r}' for name, value in settings.items())}; peak RSS (MiB) per phase of each step\n")
-    print("| completion tokens | step | mean length | before the step | " + " | ".join(PHASES) + " | step peak | growth over the step |")
-    print("|---" * (len(PHASES) + 6) + "|")
+    print("| completion tokens | step | seconds | mean length | before the step | " + " | ".join(PHASES)
+          + " | step peak | growth over the step |")
+    print("|---" * (len(PHASES) + 7) + "|")
     for length in args.lengths:
         command = [sys.executable, __file__, "--row", args.row, "--child", str(length), "--steps", str(args.steps),
                    *(["--eos"] if args.eos else []), *(["--threads", str(args.threads)] if args.threads else []), *args.options]
@@ -147,7 +153,8 @@ def main() -> None:
         for step, (phases, mean_length) in enumerate(zip(result["steps"], result["lengths"]), 1):
             peak = max(phases.get(phase, 0.0) for phase in PHASES)
             cells = " | ".join(f"{phases[phase]:,.0f}" if phase in phases else "–" for phase in PHASES)
-            print(f"| {length:,} | {step} | {mean_length:.0f} | {phases['before the step']:,.0f} | {cells} | {peak:,.0f} "
+            print(f"| {length:,} | {step} | {phases['seconds']:.1f} | {mean_length:.0f} | {phases['before the step']:,.0f} "
+                  f"| {cells} | {peak:,.0f} "
                   f"| {peak - phases['before the step']:,.0f} |", flush=True)
 
 

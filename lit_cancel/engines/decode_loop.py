@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
 
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest
 from lit_cancel.engines.kept_cache import KeptCache, Prefill
+from lit_cancel.host_memory import release_free_heap
 
 DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 DECODE_LOOP_OPTIONS = frozenset({"suppress_tokens", "top_k", "min_p"})
@@ -107,6 +108,8 @@ class PreallocatedLayer(DynamicLayer):
             new[:, :, : self.length] = old[:, :, : self.length]
             buffers.append(new)
         self.key_buffer, self.value_buffer = buffers
+        # the smaller buffers freed before are holes in the heap that the larger ones cannot reuse
+        release_free_heap()
 
     def _expose(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]

@@ -142,12 +142,16 @@ def test_generation_kwargs_are_checked(tiny_model_path, kwargs, message):
         RLModule(tiny_model_path, generation_kwargs=kwargs)
 
 
-def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
-    """Prefill, repeat for the samples, decode steps and dropping finished rows: the same keys and values as DynamicLayer."""
+def test_preallocated_layer_returns_what_a_concatenating_layer_returns(monkeypatch):
+    """Prefill, repeat for the samples, decode steps and dropping finished rows: the same keys and values as DynamicLayer;
+    each time the buffers grow, the heap's free pages go back to the system."""
     from transformers.cache_utils import DynamicLayer
 
+    from lit_cancel.engines import decode_loop
     from lit_cancel.engines.decode_loop import PreallocatedLayer
 
+    releases = []
+    monkeypatch.setattr(decode_loop, "release_free_heap", lambda: releases.append(True))
     torch.manual_seed(0)
     growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=12)
 
@@ -173,6 +177,7 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns():
     both(torch.empty(3, 2, 3, 4))
     # full: doubled again, to the capacity, holding only the rows still decoding
     assert preallocated.key_buffer.shape[:3] == (3, 2, 12) and preallocated.get_seq_length() == 12
+    assert len(releases) == 3  # grown to 5, 10 and 12 positions
     with pytest.raises(RuntimeError, match="holds 12 positions; position 13"):
         preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
 
