@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.checkpointing import AUTO, auto_checkpointing, mode_name
 from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
@@ -96,7 +97,9 @@ class PolicyModule(L.LightningModule):
             every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, at
             the cost of one more forward pass; it keeps what ``"chunks"`` keeps, and the recomputation holds
             one chunk's block inputs and one block's activations: the least memory for long completions on
-            large models (docs/gpu.md gives the bytes per token). False: none.
+            large models (docs/gpu.md gives the bytes per token). False: none. ``"auto"``: the fastest mode whose
+            training pass fits half the memory at hand, chosen when fitting starts and stated in the log
+            (:mod:`lit_cancel.checkpointing`).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
@@ -123,7 +126,7 @@ class PolicyModule(L.LightningModule):
         attn_implementation: str | None = None,
         from_scratch: bool = False,
         lora: LoRA | None = None,
-        activation_checkpointing: bool | Literal["blocks", "chunks", "blocks+chunks"] = False,
+        activation_checkpointing: bool | Literal["blocks", "chunks", "blocks+chunks", "auto"] = False,
         generation_kwargs: dict | None = None,
         engine: RolloutEngine | None = None,
         compile: bool = False,
@@ -152,6 +155,7 @@ class PolicyModule(L.LightningModule):
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
         self.stop_token_ids = stop_token_ids(model, self.tokenizer)
+        self.activation_checkpointing = activation_checkpointing
         self.recompute_chunks = activation_checkpointing in ("chunks", "blocks+chunks")
         if activation_checkpointing in (True, "blocks", "blocks+chunks"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -225,6 +229,15 @@ class PolicyModule(L.LightningModule):
             completion_logprobs, input_ids, attention_mask, prompt_length, self.temperature, self.logprob_chunk_size,
             self.max_tokens_per_chunk, self.pack_sequences, self.recompute_chunks,
         )
+
+    def setup(self, stage: str) -> None:
+        """Chooses ``activation_checkpointing: auto``'s mode when fitting starts."""
+        if stage == "fit" and self.activation_checkpointing == AUTO:
+            choice = auto_checkpointing(self, self.trainer)
+            self.activation_checkpointing, self.recompute_chunks = choice.mode, choice.mode in ("chunks", "blocks+chunks")
+            if choice.mode in ("blocks", "blocks+chunks"):
+                self.policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            rank_zero_info(f"model.init_args.activation_checkpointing auto: {mode_name(choice.mode)} ({choice.reason})")
 
     def configure_model(self) -> None:
         """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
@@ -318,9 +331,10 @@ def check_settings(temperature: float, top_p: float, max_new_tokens: int, val_sa
         raise ValueError(f"max_tokens_per_chunk must be >= 1 or None, got {max_tokens_per_chunk}")
     if pack_sequences and max_tokens_per_chunk is None:
         raise ValueError("pack_sequences needs max_tokens_per_chunk: the most tokens in one packed row")
-    if activation_checkpointing not in (False, True, "blocks", "chunks", "blocks+chunks"):
+    if activation_checkpointing not in (False, True, "blocks", "chunks", "blocks+chunks", AUTO):
         raise ValueError(
-            f"activation_checkpointing must be false, true, 'blocks', 'chunks' or 'blocks+chunks', got {activation_checkpointing!r}"
+            "activation_checkpointing must be false, true, 'blocks', 'chunks', 'blocks+chunks' or 'auto', "
+            f"got {activation_checkpointing!r}"
         )
     if activation_checkpointing in ("chunks", "blocks+chunks") and max_tokens_per_chunk is None:
         raise ValueError(

@@ -1,0 +1,95 @@
+"""``activation_checkpointing: auto``: what a training pass keeps per mode, and the fastest mode that fits."""
+
+import lightning as L
+import pytest
+import torch
+
+from lit_cancel import AdditionTask, RLModule, RolloutDataModule, checkpointing
+from lit_cancel.checkpointing import KeptPerToken, choose_checkpointing, kept_per_token, training_pass_bytes
+
+
+def kept_by_a_pass(module: RLModule, ids: torch.Tensor, mask: torch.Tensor, prompt_length: int) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of the module's log-prob pass, weights aside."""
+    weights = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module.completion_logprobs(module.policy, ids, mask, prompt_length)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("mode, budget", [(False, None), ("blocks", None), ("chunks", 96), ("blocks+chunks", 96)])
+def test_the_estimate_from_cut_models_matches_what_a_pass_of_the_whole_model_keeps(mode, budget):
+    """Measured on one- and two-block cuts over one sequence; checked on the four-block model over 8 rows."""
+    module = RLModule("embedded:tiny-adder", activation_checkpointing=mode, max_tokens_per_chunk=budget)
+    config = module.policy.model.config
+    kept = kept_per_token(config)
+    ids = torch.randint(5, 30, (8, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    estimate = training_pass_bytes(mode, kept, config.num_hidden_layers, ids.numel(), budget)
+    # the chunk's recomputation is not kept by autograd: the pass keeps the estimate less that
+    recomputed = {False: 0, "blocks": kept.activations, "chunks": config.num_hidden_layers * kept.activations,
+                  "blocks+chunks": config.num_hidden_layers * kept.block_input + kept.activations}[mode]
+    measured = kept_by_a_pass(module, ids, mask, 16) + recomputed * min(budget or ids.numel(), ids.numel())
+    assert measured == pytest.approx(estimate, rel=0.25)
+
+
+def test_each_checkpointing_mode_keeps_less_than_none_and_both_least():
+    kept = kept_per_token(RLModule("embedded:tiny-adder").policy.model.config)
+    assert kept.activations > 5 * kept.block_input > 0 and kept.final_state > 0
+    none, blocks, chunks, both = (training_pass_bytes(mode, kept, 4, 4096, 256) for mode in checkpointing.MODES)
+    assert none > max(blocks, chunks) and both < min(blocks, chunks)
+
+
+# per token: 100 bytes of a block's activations, 10 of its input, 5 of a final state; 4 blocks, 1,000 tokens in
+# chunks of 100: none keeps 400,000, blocks 40,000 + 10,000, chunks 5,000 + 40,000, blocks+chunks 5,000 + 14,000
+KEPT = KeptPerToken(activations=100, block_input=10, final_state=5)
+
+
+@pytest.mark.parametrize("at_hand, parameter_bytes, chunk_tokens, expected", [
+    (1_000_000, 0, 100, False),
+    (120_000, 0, 100, "blocks"),  # 60,000 for the pass
+    (95_000, 0, 100, "chunks"),  # 47,500
+    (40_000, 0, 100, "blocks+chunks"),  # 20,000
+    (120_000, 10_000, 100, "blocks+chunks"),  # 60,000 less 3 x 10,000
+    (95_000, 0, None, "blocks"),  # no chunks: blocks is the leanest, though it does not fit
+])
+def test_the_fastest_mode_within_half_the_memory_at_hand_is_chosen(at_hand, parameter_bytes, chunk_tokens, expected):
+    choice = choose_checkpointing(KEPT, 4, 1000, chunk_tokens, at_hand, parameter_bytes)
+    assert choice.mode == expected
+    assert ("none fits" in choice.reason) == (chunk_tokens is None)
+    assert "1,000 tokens" in choice.reason
+
+
+def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
+    """With little memory at hand the leanest mode is chosen, the model set up for it, and the choice logged."""
+    monkeypatch.setattr(checkpointing, "memory_at_hand", lambda device: 2**20)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=24, activation_checkpointing="auto", max_tokens_per_chunk=64)
+    assert module.activation_checkpointing == "auto" and not module.policy.model.is_gradient_checkpointing
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    with caplog.at_level("INFO"):
+        trainer.fit(module, datamodule=data)
+    kept = kept_per_token(module.policy.model.config)
+    tokens = 16 * (max(len(ids) for ids in module.tokenizer([r["prompt"] for r in data.task.train_records()])["input_ids"]) + 24)
+    leanest = min(checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, tokens, 64))
+    assert module.activation_checkpointing == leanest
+    assert module.policy.model.is_gradient_checkpointing == (leanest in ("blocks", "blocks+chunks"))
+    assert module.recompute_chunks == (leanest in ("chunks", "blocks+chunks"))
+    assert f"activation_checkpointing auto: {leanest} (a training pass of {tokens:,} tokens" in caplog.text
+
+
+def test_auto_without_memory_facts_uses_blocks(monkeypatch):
+    monkeypatch.setattr(checkpointing, "memory_at_hand", lambda device: None)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=16, activation_checkpointing="auto")
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    assert module.activation_checkpointing == "blocks" and module.policy.model.is_gradient_checkpointing
