@@ -2,10 +2,12 @@
 
 The modes, fastest first: none, ``blocks``, ``chunks``, ``blocks+chunks`` (``RLModule``'s docstring says what each
 keeps). What autograd keeps per token is measured once at start-up, on cuts of the model's config to one and two
-blocks (random weights, float32, a vocabulary of 256: the head's logits are recomputed chunk by chunk in every
-mode), as ``benchmarks/performance/memory_per_token.py`` counts it, less the weights that layers keep. A training
-pass over ``T`` tokens (the micro-batch's rows times the longest prompt and the completion limit), in chunks of ``C``
-tokens, of a model of ``B`` blocks then keeps about
+blocks (random weights, a vocabulary of 256: the head's logits are recomputed chunk by chunk in every mode), on a
+CPU in the trainer's precision, over sequences of 32 and 64 tokens (the two separate what grows with the row's
+length: an attention matrix that is kept), as ``benchmarks/performance/memory_per_token.py`` counts it, less the
+weights that layers keep. On a GPU, flash attention keeps no matrix: the estimate is then an upper bound. A
+training pass over ``T`` tokens (the micro-batch's rows times the longest prompt and the completion limit), in
+chunks of ``C`` tokens, of a model of ``B`` blocks then keeps about
 
 * none: ``T x B x`` a block's activations per token;
 * ``blocks``: ``T x B x`` a block's input per token, and one block's activations of a chunk while it is recomputed;
@@ -35,12 +37,17 @@ OPTIMIZER_COPIES = 3
 
 @dataclass(frozen=True)
 class KeptPerToken:
-    """Bytes autograd keeps per token: a block's activations (no checkpointing), a block's input (``blocks``) and
-    the final state the head reads (``chunks``)."""
+    """Bytes autograd keeps per token: a block's activations (no checkpointing), of which ``attention`` more for each
+    token of the row (an attention kernel that keeps its matrix, as SDPA on a CPU does under bfloat16 autocast), a
+    block's input (``blocks``) and the final state the head reads (``chunks``)."""
 
     activations: float
+    attention: float
     block_input: float
     final_state: float
+
+    def activations_in_rows_of(self, row_tokens: int) -> float:
+        return self.activations + self.attention * row_tokens
 
 
 @dataclass(frozen=True)
@@ -55,28 +62,39 @@ def mode_name(mode: bool | str) -> str:
     return "none" if mode is False else str(mode)
 
 
-def kept_per_token(config: PretrainedConfig, tokens: int = 64) -> KeptPerToken:
-    """:class:`KeptPerToken` of a model of ``config``'s shape, measured on one sequence of ``tokens`` tokens."""
+def kept_per_token(config: PretrainedConfig, autocast: torch.dtype | None = None) -> KeptPerToken:
+    """:class:`KeptPerToken` of a model of ``config``'s shape, measured on single sequences of 32, 64 and 128 tokens,
+    under CPU autocast to ``autocast`` where given. A block keeps ``c + a T + q T^2`` bytes of a row of ``T`` tokens: the
+    three lengths give ``a`` (``activations``) and ``q`` (``attention``); ``c`` does not grow with the tokens (autocast's
+    copies of the weights) and is left out."""
+    lengths = (32, 64, 128)
     measured = {}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         for blocks in (1, 2):
             cut = copy.deepcopy(config)
             cut.num_hidden_layers, cut.vocab_size = blocks, 256
             if getattr(cut, "layer_types", None):
                 cut.layer_types = cut.layer_types[:blocks]
             model = AutoModelForCausalLM.from_config(cut, dtype=torch.float32).train()
-            ids = torch.randint(cut.vocab_size, (1, tokens))
-            saved = {"none": _kept_bytes(model, ids, recompute=False)}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            saved["blocks"] = _kept_bytes(model, ids, recompute=False)
-            model.gradient_checkpointing_disable()
-            saved["chunks"] = _kept_bytes(model, ids, recompute=True)
-            measured[blocks] = saved
-    completion = tokens // 2
+            for tokens in lengths:
+                ids = torch.randint(cut.vocab_size, (1, tokens))
+                saved = {"none": _kept_bytes(model, ids, recompute=False)}
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                saved["blocks"] = _kept_bytes(model, ids, recompute=False)
+                model.gradient_checkpointing_disable()
+                saved["chunks"] = _kept_bytes(model, ids, recompute=True)
+                measured[blocks, tokens] = saved
+
+    def block(kind: str, tokens: int) -> int:
+        return measured[2, tokens][kind] - measured[1, tokens][kind]
+
+    short, middle, long = (block("none", tokens) for tokens in lengths)
+    attention = ((long - middle) - 2 * (middle - short)) / 6144  # 128^2 - 64^2 - 2 (64^2 - 32^2)
     return KeptPerToken(
-        activations=(measured[2]["none"] - measured[1]["none"]) / tokens,
-        block_input=(measured[2]["blocks"] - measured[1]["blocks"]) / tokens,
-        final_state=measured[2]["chunks"] / completion,
+        activations=(middle - short - 3072 * attention) / 32,  # 64^2 - 32^2 = 3072
+        attention=attention,
+        block_input=(block("blocks", 128) - block("blocks", 64)) / 64,
+        final_state=(measured[2, 128]["chunks"] - measured[2, 64]["chunks"]) / 32,  # the completion is half the sequence
     )
 
 
@@ -98,30 +116,35 @@ def _kept_bytes(model: torch.nn.Module, ids: torch.Tensor, recompute: bool) -> i
     return sum(kept.values())
 
 
-def training_pass_bytes(mode: bool | str, kept: KeptPerToken, blocks: int, tokens: int, chunk_tokens: int | None) -> float:
-    """Bytes a training pass over ``tokens`` tokens in chunks of ``chunk_tokens`` (None: one pass) keeps at its peak."""
-    chunk = min(chunk_tokens or tokens, tokens)
+def training_pass_bytes(mode: bool | str, kept: KeptPerToken, blocks: int, rows: int, row_tokens: int,
+                        chunk_tokens: int | None) -> float:
+    """Bytes a training pass over ``rows`` rows of ``row_tokens`` tokens in chunks of ``chunk_tokens`` (None: one pass;
+    a row longer than a chunk is a chunk of its own) keeps at its peak."""
+    tokens = rows * row_tokens
+    chunk = min(max(chunk_tokens or tokens, row_tokens), tokens)
+    activations = kept.activations_in_rows_of(row_tokens)
     if mode is False:
-        return tokens * blocks * kept.activations
+        return tokens * blocks * activations
     if mode == "blocks":
-        return tokens * blocks * kept.block_input + chunk * kept.activations
+        return tokens * blocks * kept.block_input + chunk * activations
     if mode == "chunks":
-        return tokens * kept.final_state + chunk * blocks * kept.activations
-    return tokens * kept.final_state + chunk * (blocks * kept.block_input + kept.activations)
+        return tokens * kept.final_state + chunk * blocks * activations
+    return tokens * kept.final_state + chunk * (blocks * kept.block_input + activations)
 
 
-def choose_checkpointing(kept: KeptPerToken, blocks: int, tokens: int, chunk_tokens: int | None,
+def choose_checkpointing(kept: KeptPerToken, blocks: int, rows: int, row_tokens: int, chunk_tokens: int | None,
                          memory_at_hand: int, parameter_bytes: int) -> CheckpointingChoice:
     """The fastest mode whose training pass keeps at most :data:`SHARE` of ``memory_at_hand`` less the optimizer's
     copies of ``parameter_bytes``; the leanest where none does. The chunk modes only with ``chunk_tokens``."""
     modes = MODES if chunk_tokens else MODES[:2]
-    estimates = {mode: training_pass_bytes(mode, kept, blocks, tokens, chunk_tokens) for mode in modes}
+    estimates = {mode: training_pass_bytes(mode, kept, blocks, rows, row_tokens, chunk_tokens) for mode in modes}
     budget = SHARE * memory_at_hand - OPTIMIZER_COPIES * parameter_bytes
     fitting = [mode for mode in modes if estimates[mode] <= budget]
     mode = fitting[0] if fitting else min(modes, key=estimates.__getitem__)
     kept_by_mode = ", ".join(f"{mode_name(m)} {estimates[m] / 2**30:.2f}" for m in modes)
-    reason = (f"a training pass of {tokens:,} tokens keeps about {kept_by_mode} GiB; {budget / 2**30:.2f} GiB at hand for it "
-              f"({SHARE:.0%} of {memory_at_hand / 2**30:.1f} GiB, less gradients and optimizer state)")
+    reason = (f"a training pass of {rows} rows of {row_tokens:,} tokens keeps about {kept_by_mode} GiB; "
+              f"{budget / 2**30:.2f} GiB at hand for it ({SHARE:.0%} of {memory_at_hand / 2**30:.1f} GiB, less gradients and "
+              "optimizer state)")
     return CheckpointingChoice(mode, reason if fitting else reason + "; none fits, the leanest is used")
 
 
@@ -152,11 +175,12 @@ def auto_checkpointing(module, trainer) -> CheckpointingChoice:
                // trainer.accumulate_grad_batches)
     prompts = [record["prompt"] for record in data.task.train_records()[:1000]]
     longest_prompt = max((len(ids) for ids in module.tokenizer(prompts)["input_ids"]), default=0)
-    tokens = rows * (longest_prompt + new_tokens_limit(data.task, module)[0])
+    row_tokens = longest_prompt + new_tokens_limit(data.task, module)[0]
     model = module.policy.model
     at_hand = memory_at_hand(trainer.strategy.root_device)
     if at_hand is None:
         return CheckpointingChoice("blocks", "the memory at hand is unknown on this machine")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return choose_checkpointing(kept_per_token(model.config), model.config.num_hidden_layers, tokens,
+    autocast = torch.bfloat16 if str(trainer.precision).startswith("bf16") else None
+    return choose_checkpointing(kept_per_token(model.config, autocast), model.config.num_hidden_layers, rows, row_tokens,
                                 module.max_tokens_per_chunk, at_hand, parameter_bytes)

@@ -3,14 +3,17 @@
 import lightning as L
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule, checkpointing
 from lit_cancel.checkpointing import KeptPerToken, choose_checkpointing, kept_per_token, training_pass_bytes
+from lit_cancel.logprobs import completion_logprobs
 
 
-def kept_by_a_pass(module: RLModule, ids: torch.Tensor, mask: torch.Tensor, prompt_length: int) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of the module's log-prob pass, weights aside."""
-    weights = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
+def kept_by_a_pass(model: torch.nn.Module, log_prob_pass) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of ``log_prob_pass()``, ``model``'s weights
+    aside."""
+    weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
     kept = {}
 
     def pack(tensor):
@@ -19,7 +22,7 @@ def kept_by_a_pass(module: RLModule, ids: torch.Tensor, mask: torch.Tensor, prom
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module.completion_logprobs(module.policy, ids, mask, prompt_length)
+        log_prob_pass()
     return sum(kept.values())
 
 
@@ -31,24 +34,40 @@ def test_the_estimate_from_cut_models_matches_what_a_pass_of_the_whole_model_kee
     kept = kept_per_token(config)
     ids = torch.randint(5, 30, (8, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    estimate = training_pass_bytes(mode, kept, config.num_hidden_layers, ids.numel(), budget)
+    estimate = training_pass_bytes(mode, kept, config.num_hidden_layers, 8, 48, budget)
     # the chunk's recomputation is not kept by autograd: the pass keeps the estimate less that
     recomputed = {False: 0, "blocks": kept.activations, "chunks": config.num_hidden_layers * kept.activations,
                   "blocks+chunks": config.num_hidden_layers * kept.block_input + kept.activations}[mode]
-    measured = kept_by_a_pass(module, ids, mask, 16) + recomputed * min(budget or ids.numel(), ids.numel())
+    measured = kept_by_a_pass(module, lambda: module.completion_logprobs(module.policy, ids, mask, 16))
+    measured += recomputed * (budget or ids.numel())
     assert measured == pytest.approx(estimate, rel=0.25)
+
+
+def test_an_attention_matrix_that_is_kept_is_extrapolated_to_longer_rows():
+    """Eager attention keeps each block's probabilities, 4 heads x 4 bytes per pair of tokens: measured on rows of 32 to
+    128 tokens, checked on rows of 320, where the matrices are half of what a pass keeps."""
+    config = Qwen2Config(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_implementation="eager")
+    kept = kept_per_token(config)
+    assert kept.attention == 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(99, (2, 320))
+    measured = kept_by_a_pass(model, lambda: completion_logprobs(model, ids, torch.ones_like(ids), 160))
+    assert measured == pytest.approx(training_pass_bytes(False, kept, 2, 2, 320, None), rel=0.1)
+    assert 2 * 2 * 16 * 320**2 > 0.4 * measured
 
 
 def test_each_checkpointing_mode_keeps_less_than_none_and_both_least():
     kept = kept_per_token(RLModule("embedded:tiny-adder").policy.model.config)
     assert kept.activations > 5 * kept.block_input > 0 and kept.final_state > 0
-    none, blocks, chunks, both = (training_pass_bytes(mode, kept, 4, 4096, 256) for mode in checkpointing.MODES)
+    none, blocks, chunks, both = (training_pass_bytes(mode, kept, 4, 16, 256, 256) for mode in checkpointing.MODES)
     assert none > max(blocks, chunks) and both < min(blocks, chunks)
 
 
-# per token: 100 bytes of a block's activations, 10 of its input, 5 of a final state; 4 blocks, 1,000 tokens in
-# chunks of 100: none keeps 400,000, blocks 40,000 + 10,000, chunks 5,000 + 40,000, blocks+chunks 5,000 + 14,000
-KEPT = KeptPerToken(activations=100, block_input=10, final_state=5)
+# per token: 100 bytes of a block's activations, 10 of its input, 5 of a final state; 4 blocks, 10 rows of 100 tokens
+# in chunks of 100: none keeps 400,000, blocks 40,000 + 10,000, chunks 5,000 + 40,000, blocks+chunks 5,000 + 14,000
+KEPT = KeptPerToken(activations=100, attention=0, block_input=10, final_state=5)
 
 
 @pytest.mark.parametrize("at_hand, parameter_bytes, chunk_tokens, expected", [
@@ -60,10 +79,10 @@ KEPT = KeptPerToken(activations=100, block_input=10, final_state=5)
     (95_000, 0, None, "blocks"),  # no chunks: blocks is the leanest, though it does not fit
 ])
 def test_the_fastest_mode_within_half_the_memory_at_hand_is_chosen(at_hand, parameter_bytes, chunk_tokens, expected):
-    choice = choose_checkpointing(KEPT, 4, 1000, chunk_tokens, at_hand, parameter_bytes)
+    choice = choose_checkpointing(KEPT, 4, 10, 100, chunk_tokens, at_hand, parameter_bytes)
     assert choice.mode == expected
     assert ("none fits" in choice.reason) == (chunk_tokens is None)
-    assert "1,000 tokens" in choice.reason
+    assert "10 rows of 100 tokens" in choice.reason
 
 
 def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
@@ -77,12 +96,12 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
     with caplog.at_level("INFO"):
         trainer.fit(module, datamodule=data)
     kept = kept_per_token(module.policy.model.config)
-    tokens = 16 * (max(len(ids) for ids in module.tokenizer([r["prompt"] for r in data.task.train_records()])["input_ids"]) + 24)
-    leanest = min(checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, tokens, 64))
+    row_tokens = max(len(ids) for ids in module.tokenizer([r["prompt"] for r in data.task.train_records()])["input_ids"]) + 24
+    leanest = min(checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, 16, row_tokens, 64))
     assert module.activation_checkpointing == leanest
     assert module.policy.model.is_gradient_checkpointing == (leanest in ("blocks", "blocks+chunks"))
     assert module.recompute_chunks == (leanest in ("chunks", "blocks+chunks"))
-    assert f"activation_checkpointing auto: {leanest} (a training pass of {tokens:,} tokens" in caplog.text
+    assert f"activation_checkpointing auto: {leanest} (a training pass of 16 rows of {row_tokens} tokens" in caplog.text
 
 
 def test_auto_without_memory_facts_uses_blocks(monkeypatch):
