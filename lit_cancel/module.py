@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
+from lit_cancel.activation_checkpointing import AUTO, auto_checkpointing, mode_name, use_activation_checkpointing
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.checkpointing import AUTO, auto_checkpointing, mode_name
 from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
@@ -99,7 +99,7 @@ class PolicyModule(L.LightningModule):
             one chunk's block inputs and one block's activations: the least memory for long completions on
             large models (docs/gpu.md gives the bytes per token). False: none. ``"auto"``: the fastest mode whose
             training pass fits half the memory at hand, chosen when fitting starts and stated in the log
-            (:mod:`lit_cancel.checkpointing`).
+            (:mod:`lit_cancel.activation_checkpointing`).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
@@ -155,10 +155,8 @@ class PolicyModule(L.LightningModule):
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
         self.stop_token_ids = stop_token_ids(model, self.tokenizer)
-        self.activation_checkpointing = activation_checkpointing
-        self.recompute_chunks = activation_checkpointing in ("chunks", "blocks+chunks")
-        if activation_checkpointing in (True, "blocks", "blocks+chunks"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.activation_checkpointing = activation_checkpointing  # "auto" until fit's setup chooses
+        self.recompute_chunks = use_activation_checkpointing(model, activation_checkpointing)
         if lora is not None:
             model = lora.apply(model)
             # checkpoints hold the adapters only; the base weights come from model_path
@@ -234,9 +232,8 @@ class PolicyModule(L.LightningModule):
         """Chooses ``activation_checkpointing: auto``'s mode when fitting starts."""
         if stage == "fit" and self.activation_checkpointing == AUTO:
             choice = auto_checkpointing(self, self.trainer)
-            self.activation_checkpointing, self.recompute_chunks = choice.mode, choice.mode in ("chunks", "blocks+chunks")
-            if choice.mode in ("blocks", "blocks+chunks"):
-                self.policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.activation_checkpointing = choice.mode
+            self.recompute_chunks = use_activation_checkpointing(self.policy.model, choice.mode)
             rank_zero_info(f"model.init_args.activation_checkpointing auto: {mode_name(choice.mode)} ({choice.reason})")
 
     def configure_model(self) -> None:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lit_cancel import AdditionTask, RLModule, RolloutDataModule, checkpointing
-from lit_cancel.checkpointing import KeptPerToken, choose_checkpointing, kept_per_token, training_pass_bytes
+from lit_cancel import AdditionTask, RLModule, RolloutDataModule, activation_checkpointing
+from lit_cancel.activation_checkpointing import KeptPerToken, choose_checkpointing, kept_per_token, training_pass_bytes
 from lit_cancel.logprobs import completion_logprobs
 
 
@@ -61,7 +61,7 @@ def test_an_attention_matrix_that_is_kept_is_extrapolated_to_longer_rows():
 def test_each_checkpointing_mode_keeps_less_than_none_and_both_least():
     kept = kept_per_token(RLModule("embedded:tiny-adder").policy.model.config)
     assert kept.activations > 5 * kept.block_input > 0 and kept.final_state > 0
-    none, blocks, chunks, both = (training_pass_bytes(mode, kept, 4, 16, 256, 256) for mode in checkpointing.MODES)
+    none, blocks, chunks, both = (training_pass_bytes(mode, kept, 4, 16, 256, 256) for mode in activation_checkpointing.MODES)
     assert none > max(blocks, chunks) and both < min(blocks, chunks)
 
 
@@ -87,7 +87,7 @@ def test_the_fastest_mode_within_half_the_memory_at_hand_is_chosen(at_hand, para
 
 def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
     """With little memory at hand the leanest mode is chosen, the model set up for it, and the choice logged."""
-    monkeypatch.setattr(checkpointing, "memory_at_hand", lambda device: 2**20)
+    monkeypatch.setattr(activation_checkpointing, "memory_at_hand", lambda device: 2**20)
     module = RLModule("embedded:tiny-adder", max_new_tokens=24, activation_checkpointing="auto", max_tokens_per_chunk=64)
     assert module.activation_checkpointing == "auto" and not module.policy.model.is_gradient_checkpointing
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
@@ -97,7 +97,7 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
         trainer.fit(module, datamodule=data)
     kept = kept_per_token(module.policy.model.config)
     row_tokens = max(len(ids) for ids in module.tokenizer([r["prompt"] for r in data.task.train_records()])["input_ids"]) + 24
-    leanest = min(checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, 16, row_tokens, 64))
+    leanest = min(activation_checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, 16, row_tokens, 64))
     assert module.activation_checkpointing == leanest
     assert module.policy.model.is_gradient_checkpointing == (leanest in ("blocks", "blocks+chunks"))
     assert module.recompute_chunks == (leanest in ("chunks", "blocks+chunks"))
@@ -105,7 +105,7 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
 
 
 def test_auto_without_memory_facts_uses_blocks(monkeypatch):
-    monkeypatch.setattr(checkpointing, "memory_at_hand", lambda device: None)
+    monkeypatch.setattr(activation_checkpointing, "memory_at_hand", lambda device: None)
     module = RLModule("embedded:tiny-adder", max_new_tokens=16, activation_checkpointing="auto")
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -58,6 +58,14 @@ class CheckpointingChoice:
     reason: str
 
 
+def use_activation_checkpointing(model: torch.nn.Module, mode: bool | str) -> bool:
+    """Turns on Hugging Face's checkpointing of each block for the modes that have it; whether ``mode`` recomputes
+    chunks. Does nothing for ``"auto"``, which is resolved when fitting starts."""
+    if mode in (True, "blocks", "blocks+chunks"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return mode in ("chunks", "blocks+chunks")
+
+
 def mode_name(mode: bool | str) -> str:
     return "none" if mode is False else str(mode)
 
