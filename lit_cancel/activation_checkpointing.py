@@ -3,8 +3,8 @@
 The modes, fastest first: none, ``blocks``, ``chunks``, ``blocks+chunks`` (``RLModule``'s docstring says what each
 keeps). What autograd keeps per token is measured once at start-up, on cuts of the model's config to one and two
 blocks (random weights, a vocabulary of 256: the head's logits are recomputed chunk by chunk in every mode), on a
-CPU in the trainer's precision, over sequences of 32 and 64 tokens (the two separate what grows with the row's
-length: an attention matrix that is kept), as ``benchmarks/performance/memory_per_token.py`` counts it, less the
+CPU in the trainer's precision, over sequences of 32, 64 and 128 tokens (the three separate what grows with the
+row's length: an attention matrix that is kept), as ``benchmarks/performance/memory_per_token.py`` counts it, less the
 weights that layers keep. On a GPU, flash attention keeps no matrix: the estimate is then an upper bound. A
 training pass over ``T`` tokens (the micro-batch's rows times the longest prompt and the completion limit), in
 chunks of ``C`` tokens, of a model of ``B`` blocks then keeps about
