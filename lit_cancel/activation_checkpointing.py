@@ -87,7 +87,7 @@ def kept_per_token(config: PretrainedConfig, autocast: torch.dtype | None = None
             for tokens in lengths:
                 ids = torch.randint(cut.vocab_size, (1, tokens))
                 saved = {"none": _kept_bytes(model, ids, recompute=False)}
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                use_activation_checkpointing(model, "blocks")
                 saved["blocks"] = _kept_bytes(model, ids, recompute=False)
                 model.gradient_checkpointing_disable()
                 saved["chunks"] = _kept_bytes(model, ids, recompute=True)
