@@ -4,8 +4,8 @@ The modes, fastest first: none, ``blocks``, ``chunks``, ``blocks+chunks`` (``RLM
 keeps). What autograd keeps per token is measured once at start-up, on cuts of the model's config to one and two
 blocks (random weights, a vocabulary of 256: the head's logits are recomputed chunk by chunk in every mode), on a
 CPU in the trainer's precision, over sequences of 32, 64 and 128 tokens (the three separate what grows with the
-row's length: an attention matrix that is kept), as ``benchmarks/performance/memory_per_token.py`` counts it, less the
-weights that layers keep. On a GPU, flash attention keeps no matrix: the estimate is then an upper bound. A
+row's length: an attention matrix that is kept), as :func:`kept_by` counts it (the distinct storages autograd keeps,
+the weights aside). On a GPU, flash attention keeps no matrix: the estimate is then an upper bound. A
 training pass over ``T`` tokens (the micro-batch's rows times the longest prompt and the completion limit), in
 chunks of ``C`` tokens, of a model of ``B`` blocks then keeps about
 
@@ -20,7 +20,9 @@ the allocator and the rest of the process. Where none is, the leanest.
 """
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -106,9 +108,9 @@ def kept_per_token(config: PretrainedConfig, autocast: torch.dtype | None = None
     )
 
 
-def _kept_bytes(model: torch.nn.Module, ids: torch.Tensor, recompute: bool) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of one log-prob pass over ``ids``, its
-    second half the completion, but for the parameters (which a layer keeps, and which are there anyway)."""
+def kept_by(model: torch.nn.Module, log_prob_pass: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of ``log_prob_pass()``, but for ``model``'s
+    parameters (which a layer keeps, and which are there anyway)."""
     weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
     kept: dict[int, int] = {}
 
@@ -119,9 +121,16 @@ def _kept_bytes(model: torch.nn.Module, ids: torch.Tensor, recompute: bool) -> i
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        completion_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] // 2, max_tokens_per_chunk=ids.shape[1],
-                            recompute_chunks=recompute)
+        log_prob_pass()
     return sum(kept.values())
+
+
+def _kept_bytes(model: torch.nn.Module, ids: torch.Tensor, recompute: bool) -> int:
+    """:func:`kept_by` a log-prob pass over ``ids``, its second half the completion, in one chunk."""
+    return kept_by(model, partial(
+        completion_logprobs, model, ids, torch.ones_like(ids), ids.shape[1] // 2, max_tokens_per_chunk=ids.shape[1],
+        recompute_chunks=recompute,
+    ))
 
 
 def training_pass_bytes(mode: bool | str, kept: KeptPerToken, blocks: int, rows: int, row_tokens: int,

@@ -6,24 +6,14 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule, activation_checkpointing
-from lit_cancel.activation_checkpointing import KeptPerToken, choose_checkpointing, kept_per_token, training_pass_bytes
+from lit_cancel.activation_checkpointing import (
+    KeptPerToken,
+    choose_checkpointing,
+    kept_by,
+    kept_per_token,
+    training_pass_bytes,
+)
 from lit_cancel.logprobs import completion_logprobs
-
-
-def kept_by_a_pass(model: torch.nn.Module, log_prob_pass) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of ``log_prob_pass()``, ``model``'s weights
-    aside."""
-    weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in weights:
-            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        log_prob_pass()
-    return sum(kept.values())
 
 
 @pytest.mark.parametrize("mode, budget", [(False, None), ("blocks", None), ("chunks", 96), ("blocks+chunks", 96)])
@@ -38,7 +28,7 @@ def test_the_estimate_from_cut_models_matches_what_a_pass_of_the_whole_model_kee
     # the chunk's recomputation is not kept by autograd: the pass keeps the estimate less that
     recomputed = {False: 0, "blocks": kept.activations, "chunks": config.num_hidden_layers * kept.activations,
                   "blocks+chunks": config.num_hidden_layers * kept.block_input + kept.activations}[mode]
-    measured = kept_by_a_pass(module, lambda: module.completion_logprobs(module.policy, ids, mask, 16))
+    measured = kept_by(module, lambda: module.completion_logprobs(module.policy, ids, mask, 16))
     measured += recomputed * (budget or ids.numel())
     assert measured == pytest.approx(estimate, rel=0.25)
 
@@ -53,7 +43,7 @@ def test_an_attention_matrix_that_is_kept_is_extrapolated_to_longer_rows():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).train()
     ids = torch.randint(99, (2, 320))
-    measured = kept_by_a_pass(model, lambda: completion_logprobs(model, ids, torch.ones_like(ids), 160))
+    measured = kept_by(model, lambda: completion_logprobs(model, ids, torch.ones_like(ids), 160))
     assert measured == pytest.approx(training_pass_bytes(False, kept, 2, 2, 320, None), rel=0.1)
     assert 2 * 2 * 16 * 320**2 > 0.4 * measured
 

@@ -1,7 +1,10 @@
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lit_cancel.activation_checkpointing import kept_by
 from lit_cancel.logprobs import completion_logprobs
 
 
@@ -91,14 +94,6 @@ def test_a_training_pass_hands_the_heap_back_after_each_chunk_and_before_its_bac
     assert events == ["release", "backward"] * 3
 
 
-def saved_bytes_of_a_pass(module, ids, mask, prompt_length) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of one log-prob pass (outside checkpointed regions)."""
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-        module.completion_logprobs(module.policy, ids, mask, prompt_length)
-    return sum(saved)
-
-
 def test_recomputed_chunks_leave_autograd_only_the_final_states_of_completion_tokens():
     from lit_cancel import RLModule
 
@@ -110,7 +105,7 @@ def test_recomputed_chunks_leave_autograd_only_the_final_states_of_completion_to
     saved_bytes = {}
     for checkpointing in (False, "chunks"):
         module = RLModule("embedded:tiny-adder", activation_checkpointing=checkpointing, max_tokens_per_chunk=64)
-        saved_bytes[checkpointing] = saved_bytes_of_a_pass(module, ids, mask, 10)
+        saved_bytes[checkpointing] = kept_by(module.policy.model, partial(module.completion_logprobs, module.policy, ids, mask, 10))
     # one float32 state per completion token (what the head needs), plus the chunks' token ids
     final_states = completion_tokens * module.policy.model.config.hidden_size * 4
     assert final_states <= saved_bytes["chunks"] <= 1.5 * final_states

@@ -5,7 +5,7 @@
 Builds the Qwen2.5-0.5B and Qwen2.5-1.5B architectures (their published config.json values, random weights)
 with one and with two transformer blocks, runs one log-prob pass under bfloat16 autocast (``precision:
 bf16-mixed``) over one sequence of ``--tokens`` tokens, and counts the bytes autograd keeps for the backward
-pass (each storage once): every block's activations (no checkpointing), each block's input (Hugging Face
+pass (each storage once, the weights aside: ``kept_by``): every block's activations (no checkpointing), each block's input (Hugging Face
 gradient checkpointing, ``activation_checkpointing: blocks``) and the completion tokens' final states (a
 checkpointed chunk, ``chunks``). The difference between two blocks and one gives the bytes per token per
 block. From these, per ``activation_checkpointing`` mode, what is kept per token until the backward pass
@@ -15,10 +15,12 @@ these into the memory of a step with 4 k-token completions.
 """
 
 import argparse
+from functools import partial
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lit_cancel.activation_checkpointing import kept_by
 from lit_cancel.logprobs import completion_logprobs
 
 # the published config.json of each model, the fields that size memory
@@ -32,17 +34,13 @@ PROMPT = 64
 
 
 def kept_bytes(model: Qwen2ForCausalLM, tokens: int, budget: int | None, recompute: bool) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward pass of one log-prob pass."""
+    """Bytes of the distinct storages autograd keeps for the backward pass of one log-prob pass in bf16-mixed, the
+    weights aside."""
     ids = torch.randint(model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    kept: dict[int, int] = {}
-
-    def pack(tensor):
-        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.autocast("cpu", dtype=torch.bfloat16):
-        completion_logprobs(model, ids, torch.ones_like(ids), PROMPT, max_tokens_per_chunk=budget, recompute_chunks=recompute)
-    return sum(kept.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return kept_by(model, partial(
+            completion_logprobs, model, ids, torch.ones_like(ids), PROMPT, max_tokens_per_chunk=budget, recompute_chunks=recompute,
+        ))
 
 
 def per_token(fields: dict, tokens: int) -> dict[str, float]:
