@@ -64,8 +64,18 @@ def use_activation_checkpointing(model: torch.nn.Module, mode: bool | str) -> bo
     """Turns on Hugging Face's checkpointing of each block for the modes that have it; whether ``mode`` recomputes
     chunks. Does nothing for ``"auto"``, which is resolved when fitting starts."""
     if mode in (True, "blocks", "blocks+chunks"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecates the older name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return mode in ("chunks", "blocks+chunks")
+
+
+def stop_activation_checkpointing(model: torch.nn.Module) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def mode_name(mode: bool | str) -> str:
@@ -91,7 +101,7 @@ def kept_per_token(config: PretrainedConfig, autocast: torch.dtype | None = None
                 saved = {"none": _kept_bytes(model, ids, recompute=False)}
                 use_activation_checkpointing(model, "blocks")
                 saved["blocks"] = _kept_bytes(model, ids, recompute=False)
-                model.gradient_checkpointing_disable()
+                stop_activation_checkpointing(model)
                 saved["chunks"] = _kept_bytes(model, ids, recompute=True)
                 measured[blocks, tokens] = saved
 

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lit_cancel.activation_checkpointing import kept_by
+from lit_cancel.activation_checkpointing import kept_by, stop_activation_checkpointing, use_activation_checkpointing
 from lit_cancel.logprobs import completion_logprobs
 
 # the published config.json of each model, the fields that size memory
@@ -48,9 +48,9 @@ def per_token(fields: dict, tokens: int) -> dict[str, float]:
     measured = {}
     for blocks in (1, 2):
         model = Qwen2ForCausalLM(Qwen2Config(**{**fields, "num_hidden_layers": blocks}))
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        use_activation_checkpointing(model, "blocks")
         by_block = kept_bytes(model, tokens, None, recompute=False)
-        model.gradient_checkpointing_disable()
+        stop_activation_checkpointing(model)
         measured[blocks] = {"all": kept_bytes(model, tokens, None, recompute=False), "block": by_block,
                             "chunk": kept_bytes(model, tokens, tokens, recompute=True)}
     completion = tokens - PROMPT
