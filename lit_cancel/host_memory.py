@@ -4,8 +4,8 @@ glibc's ``malloc`` raises its mmap threshold each time a large block is freed, s
 32 MiB come from its heap, and when they are freed the memory stays in the process. A rollout that starts
 after a training pass then stacks its KV cache on top of all the memory the pass freed: the process's peak
 is the two phases' sum, not the larger. ``malloc_trim`` gives the free pages back (in the middle of the heap
-too, not only at its end); it runs only when at least ``min_free`` bytes are free, so that small steps do not
-pay for touching fresh pages again.
+too, not only at its end); it runs only when at least ``min_free`` bytes are free and have stayed resident since it
+last ran, so that steps that free little do not pay for touching fresh pages again.
 
 oneDNN, which runs torch's bfloat16 matrix products on a CPU, compiles a kernel for every matrix shape it meets
 and keeps up to 1,024 of them; completion lengths change the shapes every step, so by default that cache grows
@@ -15,9 +15,14 @@ over the first few dozen steps (by about 200 MiB for a 0.8 M-parameter model). :
 import ctypes
 import ctypes.util
 import os
+import threading
 from functools import cache
 
 KERNEL_CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+# the least the process held and did not use (_idle_bytes) since free pages were last handed back; before they ever
+# were, none
+_least_idle = 0
+_release_lock = threading.Lock()  # a rollout may run in a thread beside training
 
 
 class _MallInfo2(ctypes.Structure):
@@ -44,12 +49,34 @@ def free_heap_bytes() -> int | None:
 
 
 def release_free_heap(min_free: int = 256 * 2**20) -> bool:
-    """Hands the heap's free pages back to the system if at least ``min_free`` bytes are free; whether it did."""
-    free = free_heap_bytes()
-    if free is None or free < min_free:
+    """Hands the heap's free pages back to the system when at least ``min_free`` bytes are free and the process holds
+    ``min_free`` bytes more than it uses than it did at the least since this last did so; whether it did.
+
+    Pages handed back stay in glibc's lists of free chunks, so the count of free bytes alone would trim again at every
+    call, each time paying to touch fresh pages for what the next tensors take from those chunks (a training pass in
+    chunks calls this twice per chunk). What the process holds and does not use is its resident memory less the heap's
+    chunks in use and its mmapped blocks: it grows when freed chunks stay resident, not when handed-back ones sit in
+    the lists."""
+    global _least_idle
+    libc = _glibc()
+    if libc is None:
         return False
-    _glibc().malloc_trim(0)
+    with _release_lock:
+        heap = libc.mallinfo2()
+        idle = _idle_bytes(heap)
+        _least_idle = min(_least_idle, idle)
+        if heap.fordblks < min_free or idle - _least_idle < min_free:
+            return False
+        libc.malloc_trim(0)
+        _least_idle = _idle_bytes(libc.mallinfo2())
     return True
+
+
+def _idle_bytes(heap: _MallInfo2) -> int:
+    """The process's resident bytes less the heap's chunks in use and its mmapped blocks."""
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resident - heap.uordblks - heap.hblkhd
 
 
 def bound_kernel_cache(capacity: int = 64) -> bool:
