@@ -49,8 +49,8 @@ def free_heap_bytes() -> int | None:
 
 
 def release_free_heap(min_free: int = 256 * 2**20) -> bool:
-    """Hands the heap's free pages back to the system when at least ``min_free`` bytes are free and the process holds
-    ``min_free`` bytes more than it uses than it did at the least since this last did so; whether it did.
+    """Hands the heap's free pages back to the system when at least ``min_free`` bytes are free and what the process
+    holds without using it has grown by ``min_free`` over the least it was since the last time; whether it did.
 
     Pages handed back stay in glibc's lists of free chunks, so the count of free bytes alone would trim again at every
     call, each time paying to touch fresh pages for what the next tensors take from those chunks (a training pass in

@@ -5,9 +5,9 @@
 Builds the Qwen2.5-0.5B and Qwen2.5-1.5B architectures (their published config.json values, random weights)
 with one and with two transformer blocks, runs one log-prob pass under bfloat16 autocast (``precision:
 bf16-mixed``) over one sequence of ``--tokens`` tokens, and counts the bytes autograd keeps for the backward
-pass (each storage once, the weights aside: ``kept_by``): every block's activations (no checkpointing), each block's input (Hugging Face
-gradient checkpointing, ``activation_checkpointing: blocks``) and the completion tokens' final states (a
-checkpointed chunk, ``chunks``). The difference between two blocks and one gives the bytes per token per
+pass (each storage once, the weights aside: ``kept_by``): every block's activations (no checkpointing), each
+block's input (Hugging Face gradient checkpointing, ``activation_checkpointing: blocks``) and the completion
+tokens' final states (a checkpointed chunk, ``chunks``). The difference between two blocks and one gives the bytes per token per
 block. From these, per ``activation_checkpointing`` mode, what is kept per token until the backward pass
 and what one chunk's recomputation holds per token of the chunk (``blocks+chunks``: the chunk's block
 inputs and one block's activations). The KV cache per token follows from the shapes. docs/gpu.md turns
