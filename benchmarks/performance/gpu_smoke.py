@@ -50,7 +50,8 @@ class SmokeStats(L.Callback):
     Training time runs from the start of a batch (its rollouts were sampled when the batch was fetched) to its
     end: forward, backward and, on the last micro-batch of a step, the optimizer step. Training's peak is torch's
     peak allocation inside those windows, so an engine's memory held outside them (vLLM's) is not counted as
-    training's; the device's peak in use (all processes, all allocators) is read at the windows' edges.
+    training's; the device's peak in use (all processes, all allocators) is read at the windows' edges. The file is
+    written again after every optimizer step, so a run stopped at its time limit still reports the steps it made.
     """
 
     def __init__(self):
@@ -76,9 +77,10 @@ class SmokeStats(L.Callback):
         now = time.perf_counter()
         self.seconds += now - self._started
         self.tokens += int(batch.attention_mask.sum())
+        self._note_device()
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.step_ends.append(now)
-        self._note_device()
+            self._write(trainer)
 
     def _note_device(self) -> None:
         import torch
@@ -88,6 +90,9 @@ class SmokeStats(L.Callback):
             self.device_used = max(self.device_used, total - free)
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        self._write(trainer)
+
+    def _write(self, trainer) -> None:
         import torch
 
         folder = os.environ.get(STATS_DIR)
@@ -218,7 +223,7 @@ def run_check(check: Check, env: dict, log) -> None:
         check.outcome = test_outcome(check.junit, returncode)
     else:
         check.outcome = "passed" if returncode == 0 else f"failed (exit {returncode})"
-    if check.work is not None and returncode is not None:
+    if check.work is not None:
         check.rows = run_rows(check.work)
 
 

@@ -82,3 +82,45 @@ def test_every_gpu_test_with_a_sleep_mode_engine_runs_in_a_process_of_its_own():
     for test in sleeping:
         in_source = 'subprocess.run([sys.executable, "-c", script]' in inspect.getsource(test)  # runs its own script
         assert getattr(test, "runs_in_own_process", False) or in_source, test.__name__
+
+
+def test_a_run_stopped_at_its_time_limit_still_reports_the_steps_it_made(tmp_path, monkeypatch):
+    """SmokeStats writes its file at each optimizer step, not only at the end of fit, and a timed-out run's rows are read."""
+    from types import SimpleNamespace
+
+    import torch
+    from gpu_smoke import STATS_DIR, Check, SmokeStats, run_check
+
+    work = tmp_path / "run"
+    work.mkdir()
+    # a run that makes two optimizer steps of two micro-batches each and then hangs
+    script = (
+        "import os, sys, time, torch\n"
+        f"sys.path.insert(0, {str(PERFORMANCE)!r})\n"
+        "from types import SimpleNamespace\n"
+        "from gpu_smoke import SmokeStats\n"
+        "stats, trainer = SmokeStats(), SimpleNamespace(accumulate_grad_batches=2, global_rank=0)\n"
+        "batch = SimpleNamespace(attention_mask=torch.ones(3, 5))\n"
+        "for index in range(4):\n"
+        "    stats.on_train_batch_start(trainer, None, batch, index)\n"
+        "    time.sleep(0.05)\n"
+        "    stats.on_train_batch_end(trainer, None, None, batch, index)\n"
+        "time.sleep(60)\n"
+    )
+    check = Check("hangs after two steps", [sys.executable, "-c", script], 8, work=work)
+    with open(tmp_path / "log", "w") as log:
+        run_check(check, {**os.environ, STATS_DIR: str(work)}, log)
+    rows = dict(check.rows)
+    assert check.outcome == "timed out after 8 s"
+    assert rows["seconds per step, rollouts included (median of 1)"]  # two step ends: one whole step between them
+    assert rows["training tokens/s (prompt and completion, all GPUs)"]  # 4 micro-batches of 15 tokens over ~0.2 s
+
+    stats, trainer = SmokeStats(), SimpleNamespace(accumulate_grad_batches=2, global_rank=0)
+    batch = SimpleNamespace(attention_mask=torch.ones(2, 4))
+    monkeypatch.setenv(STATS_DIR, str(tmp_path))
+    stats.on_train_batch_start(trainer, None, batch, 0)
+    stats.on_train_batch_end(trainer, None, None, batch, 0)
+    assert not (tmp_path / "rank0.json").exists()  # mid-step: nothing written yet
+    stats.on_train_batch_start(trainer, None, batch, 1)
+    stats.on_train_batch_end(trainer, None, None, batch, 1)
+    assert '"train_tokens": 16' in (tmp_path / "rank0.json").read_text()
