@@ -192,10 +192,33 @@ def generation_kwargs(row: Row) -> dict:
     return {} if row.eos else {"suppress_tokens": [build_char_tokenizer().eos_token_id]}
 
 
+def grpo_config(folder: str, steps: int, bf16: bool, **settings):
+    """TRL's ``GRPOConfig`` with what every row sets alike (lit_cancel's settings), and the row's ``settings``.
+
+    ``bf16`` has no default here: ``GRPOConfig`` defaults it to True, which on a CPU trains in bfloat16 autocast."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        temperature=1.0, top_p=1.0, top_k=0, loss_type="grpo", scale_rewards="group", epsilon=0.2, beta=0.0, num_iterations=1,
+        learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=bf16, report_to="none", save_strategy="no",
+        seed=SEED, logging_steps=1, dataloader_num_workers=0, **settings,
+    )
+
+
+def agent_config(folder: str, steps: int):
+    """The agent row's ``GRPOConfig``: float32, no checkpointing, :func:`agent_task`'s limits."""
+    limits = agent_task().limits
+    return grpo_config(
+        folder, steps, bf16=False, gradient_checkpointing=False, max_completion_length=limits.max_episode_tokens,
+        max_tool_calling_iterations=limits.max_turns - 1, generation_kwargs={"max_new_tokens": limits.max_turn_tokens},
+    )
+
+
 def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[int]]]:
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     task = AdditionTask(num_digits=3)
     records = task.train_records()
@@ -210,14 +233,8 @@ def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[i
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
 
-    config = GRPOConfig(
-        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
-        num_generations=GROUP, max_completion_length=row.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs=generation_kwargs(row), loss_type="grpo", scale_rewards="group",
-        epsilon=0.2, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0,
-        gradient_checkpointing=bool(row.checkpointing), use_cpu=True, bf16=row.bf16, report_to="none", save_strategy="no",
-        seed=SEED, logging_steps=1, dataloader_num_workers=0,
-    )
+    config = grpo_config(folder, steps, bf16=row.bf16, max_completion_length=row.new_tokens, generation_kwargs=generation_kwargs(row),
+                         gradient_checkpointing=bool(row.checkpointing))
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=build_char_tokenizer(), callbacks=[StepEnds()])
     trainer.train()
@@ -354,10 +371,9 @@ def transcript(tokenizer, messages: list[dict]) -> str:
 def run_trl_agent(folder: str, steps: int) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     task, tokenizer = agent_task(), colon_chat_tokenizer(folder)
-    limits = task.limits
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                  for r in task.train_records()])
     ends, trained, environment, padded = [], [], [], []
@@ -382,16 +398,8 @@ def run_trl_agent(folder: str, steps: int) -> dict:
             padded.append(output["prompt_ids"].numel() + output["completion_ids"].numel())
             return output
 
-    config = GRPOConfig(
-        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
-        num_generations=GROUP, max_completion_length=limits.max_episode_tokens, max_tool_calling_iterations=limits.max_turns - 1,
-        generation_kwargs={"max_new_tokens": limits.max_turn_tokens}, temperature=1.0, top_p=1.0, top_k=0,
-        loss_type="grpo", scale_rewards="group", epsilon=0.2, beta=0.0, num_iterations=1, learning_rate=LR, weight_decay=0.0,
-        max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no", seed=SEED,
-        logging_steps=1, dataloader_num_workers=0,
-    )
-    trainer = CountingTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-                              environment_factory=AdditionCalculator, callbacks=[StepEnds()])
+    trainer = CountingTrainer(model=folder, reward_funcs=reward, args=agent_config(folder, steps), train_dataset=dataset,
+                              processing_class=tokenizer, environment_factory=AdditionCalculator, callbacks=[StepEnds()])
     trainer.train()
     return {"ends": ends, "lengths": trained, "environment": environment, "pass_tokens": padded}
 

@@ -109,3 +109,14 @@ def test_trl_accepts_the_template_for_its_tool_loop():
     chat_template_utils = pytest.importorskip("trl.chat_template_utils")
     assert chat_template_utils.supports_tool_calling(TOKENIZER)
     assert chat_template_utils.is_chat_template_prefix_preserving(TOKENIZER)
+
+
+def test_trl_trains_the_agent_row_in_float32_without_checkpointing_as_lit_cancel_does(tmp_path):
+    """GRPOConfig defaults bf16 to True: left unset, TRL's side of a float32 row trains in bfloat16 autocast."""
+    pytest.importorskip("trl")
+    from vs_trl import agent_config
+
+    config = agent_config(str(tmp_path), steps=2)
+    limits = agent_task().limits
+    assert config.bf16 is False and config.gradient_checkpointing is False
+    assert config.max_tool_calling_iterations == limits.max_turns - 1 and config.max_completion_length == limits.max_episode_tokens
