@@ -40,6 +40,8 @@ DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 DECODE_LOOP_OPTIONS = frozenset({"suppress_tokens", "top_k", "min_p"})
 # a finished row leaves the batch once this share of the rows still decoding has finished
 _COMPACT_SHARE = 0.25
+# a layer's buffers of at least this many bytes, outgrown, send the heap's free pages back (host_memory.py)
+_RELEASE_AFTER_GROWING = 8 * 2**20
 
 
 def supports_decode_loop(model: nn.Module, generation_kwargs: dict) -> bool:
@@ -129,9 +131,12 @@ class PreallocatedLayer(DynamicLayer):
             new = old.new_empty(*old.shape[:2], positions, old.shape[-1])
             new[:, :, : self.length] = old[:, :, : self.length]
             buffers.append(new)
+        freed = self.key_buffer.nbytes + self.value_buffer.nbytes
         self.key_buffer, self.value_buffer = buffers
-        # the smaller buffers freed before are holes in the heap that the larger ones cannot reuse
-        release_free_heap()
+        # the smaller buffers freed before are holes in the heap that the larger ones cannot reuse; a few MiB of holes
+        # cannot reach the trim's threshold, and the check walks the heap's free lists, so small buffers skip it
+        if self.key_buffer.device.type == "cpu" and freed >= _RELEASE_AFTER_GROWING:
+            release_free_heap()
 
     def _expose(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]

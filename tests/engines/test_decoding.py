@@ -144,7 +144,7 @@ def test_generation_kwargs_are_checked(tiny_model_path, kwargs, message):
 
 def test_preallocated_layer_returns_what_a_concatenating_layer_returns(monkeypatch):
     """Prefill, repeat for the samples, decode steps and dropping finished rows: the same keys and values as DynamicLayer;
-    each time the buffers grow, the heap's free pages go back to the system."""
+    each time the buffers outgrow ones of at least _RELEASE_AFTER_GROWING bytes, the heap's free pages go back to the system."""
     from transformers.cache_utils import DynamicLayer
 
     from lit_cancel.engines import decode_loop
@@ -152,6 +152,7 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns(monkeypat
 
     releases = []
     monkeypatch.setattr(decode_loop, "release_free_heap", lambda: releases.append(True))
+    monkeypatch.setattr(decode_loop, "_RELEASE_AFTER_GROWING", 1_000)
     torch.manual_seed(0)
     growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=12)
 
@@ -177,7 +178,9 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns(monkeypat
     both(torch.empty(3, 2, 3, 4))
     # full: doubled again, to the capacity, holding only the rows still decoding
     assert preallocated.key_buffer.shape[:3] == (3, 2, 12) and preallocated.get_seq_length() == 12
-    assert len(releases) == 3  # grown to 5, 10 and 12 positions
+    # grown to 5, 10 and 12 positions: the first outgrew empty buffers, the others 1,680 bytes (6 rows x 5 positions,
+    # then 3 x 10, of 4 key and 3 value dimensions x 2 heads in float32)
+    assert len(releases) == 2
     with pytest.raises(RuntimeError, match="holds 12 positions; position 13"):
         preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
 
