@@ -71,16 +71,17 @@ def logits_processors(generation_kwargs: dict, temperature: float, top_p: float,
 def sample_tokens(scores: Tensor) -> Tensor:
     """One token per row of ``scores`` (``[rows, vocabulary]`` logits after the processors), drawn from their softmax.
 
-    The draw inverts each row's cumulative distribution, summed in float64, at a uniform point of ``(0, total]``:
-    ``torch.multinomial`` on a CPU races one exponential draw per vocabulary entry, 3.5x this at a 151,936-token
-    vocabulary and 4x at a few dozen tokens (benchmarks/performance/sampling.py). Logits that are not finite (a
+    The draw inverts each row's cumulative distribution, summed in float64 (float32 on Apple's MPS, which has no
+    float64), at a uniform point of ``(0, total]``: ``torch.multinomial`` on a CPU races one exponential draw per
+    vocabulary entry, several times slower (benchmarks/performance/sampling.py). Logits that are not finite (a
     diverged model) raise instead of sampling."""
-    cumulative = torch.softmax(scores, dim=-1).cumsum(-1, dtype=torch.float64)
+    dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+    cumulative = torch.softmax(scores, dim=-1).cumsum(-1, dtype=dtype)
     total = cumulative[:, -1:]
     if not bool(torch.isfinite(total).all()):
         raise ValueError("the decode loop: the policy's logits are not finite (NaN or inf), so nothing can be sampled; "
                          "the model has diverged or its weights hold NaN")
-    return tokens_at(cumulative, (1 - torch.rand(total.shape, dtype=torch.float64, device=total.device)) * total)
+    return tokens_at(cumulative, (1 - torch.rand(total.shape, dtype=dtype, device=total.device)) * total)
 
 
 def tokens_at(cumulative: Tensor, points: Tensor) -> Tensor:
