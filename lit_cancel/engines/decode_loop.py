@@ -91,6 +91,15 @@ def tokens_at(cumulative: Tensor, points: Tensor) -> Tensor:
     return torch.searchsorted(cumulative, points).squeeze(1)
 
 
+@torch.compiler.disable  # run as Python under torch.compile, which traces the buffers' sizes as symbols
+def _release_outgrown(buffers: tuple[Tensor, Tensor]) -> None:
+    """Hands the heap's free pages back after a layer's buffers grew out of ``buffers``: the smaller buffers freed
+    before are holes in the heap that the larger ones cannot reuse. A few MiB of holes cannot reach the trim's
+    threshold, and the check walks the heap's free lists, so small buffers, and buffers on a GPU, skip it."""
+    if buffers[0].device.type == "cpu" and sum(buffer.nbytes for buffer in buffers) >= _RELEASE_AFTER_GROWING:
+        release_free_heap()
+
+
 class PreallocatedLayer(DynamicLayer):
     """One attention layer's keys and values in buffers written in place, doubled when full, up to ``capacity`` positions.
 
@@ -132,12 +141,9 @@ class PreallocatedLayer(DynamicLayer):
             new = old.new_empty(*old.shape[:2], positions, old.shape[-1])
             new[:, :, : self.length] = old[:, :, : self.length]
             buffers.append(new)
-        freed = self.key_buffer.nbytes + self.value_buffer.nbytes
+        outgrown = self.key_buffer, self.value_buffer
         self.key_buffer, self.value_buffer = buffers
-        # the smaller buffers freed before are holes in the heap that the larger ones cannot reuse; a few MiB of holes
-        # cannot reach the trim's threshold, and the check walks the heap's free lists, so small buffers skip it
-        if self.key_buffer.device.type == "cpu" and freed >= _RELEASE_AFTER_GROWING:
-            release_free_heap()
+        _release_outgrown(outgrown)
 
     def _expose(self) -> None:
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
