@@ -100,6 +100,16 @@ def _release_outgrown(buffers: tuple[Tensor, Tensor]) -> None:
         release_free_heap()
 
 
+def attention_dtype(states: Tensor) -> torch.dtype:
+    """The dtype attention reads ``states`` in: autocast's where it is on for their device, else their own. Under
+    bfloat16 autocast the keys leave the rotary embedding in float32, and attention (an autocast operation) would
+    cast the whole cache to bfloat16 at every token; stored in it, the cache holds the same numbers in half the bytes."""
+    device = states.device.type
+    if states.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return states.dtype
+
+
 class PreallocatedLayer(DynamicLayer):
     """One attention layer's keys and values in buffers written in place, doubled when full, up to ``capacity`` positions.
 
@@ -116,9 +126,10 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
-        self.value_buffer = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[-1])
+        self.dtype, self.device = attention_dtype(key_states), key_states.device
+        self.key_buffer = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1], dtype=self.dtype)
+        self.value_buffer = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[-1],
+                                                   dtype=attention_dtype(value_states))
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from lit_cancel import DecodeLoop, HFGenerate, RLModule
@@ -183,6 +184,29 @@ def test_preallocated_layer_returns_what_a_concatenating_layer_returns(monkeypat
     assert len(releases) == 2
     with pytest.raises(RuntimeError, match="holds 12 positions; position 13"):
         preallocated.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 3))
+
+
+def test_under_bfloat16_autocast_the_cache_holds_what_attention_reads_in_bfloat16():
+    """The keys leave the rotary embedding in float32 under autocast; the cache stores them, and the values, in
+    bfloat16, so attention's output is the one it computes over the float32 keys a concatenating layer returns."""
+    from transformers.cache_utils import DynamicLayer
+
+    from lit_cancel.engines.decode_loop import PreallocatedLayer
+
+    torch.manual_seed(0)
+    growing, preallocated = DynamicLayer(), PreallocatedLayer(capacity=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for positions in (5, 1, 1):
+            keys, values = torch.randn(2, 2, positions, 4), torch.randn(2, 2, positions, 4).bfloat16()
+            query = torch.randn(2, 2, 1, 4)
+            expected, got = growing.update(keys, values), preallocated.update(keys, values)
+            assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16]
+            assert expected[0].dtype == torch.float32 and torch.equal(got[0], expected[0].bfloat16())
+            assert torch.equal(got[1], expected[1])
+            assert torch.equal(F.scaled_dot_product_attention(query, *got), F.scaled_dot_product_attention(query, *expected))
+    assert preallocated.key_buffer.dtype == torch.bfloat16
+    outside = PreallocatedLayer(capacity=8)
+    assert outside.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))[0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("lora", [False, True])
