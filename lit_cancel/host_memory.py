@@ -72,11 +72,15 @@ def release_free_heap(min_free: int = 256 * 2**20) -> bool:
     return True
 
 
+def resident_bytes() -> int:
+    """The process's resident memory (Linux's ``/proc/self/statm``), now rather than at its peak."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _idle_bytes(heap: _MallInfo2) -> int:
     """The process's resident bytes less the heap's chunks in use and its mmapped blocks."""
-    with open("/proc/self/statm") as statm:
-        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return resident - heap.uordblks - heap.hblkhd
+    return resident_bytes() - heap.uordblks - heap.hblkhd
 
 
 def bound_kernel_cache(capacity: int = 64) -> bool:

@@ -4,15 +4,10 @@ import pytest
 import torch
 
 from lit_cancel import host_memory
-from lit_cancel.host_memory import free_heap_bytes, release_free_heap
+from lit_cancel.host_memory import free_heap_bytes, release_free_heap, resident_bytes
 
 MiB = 2**20
 pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="glibc 2.33 or later (Linux) only")
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
 
 
 @pytest.fixture(autouse=True)

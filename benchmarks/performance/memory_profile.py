@@ -26,13 +26,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from vs_trl import ROWS, fit_lit_cancel, lit_cancel_module, write_model  # benchmarks/ is on the path when run as a script
 
+from lit_cancel.host_memory import resident_bytes
+
 PHASES = ["rollout", "old/ref log-probs", "training forward", "backward", "optimizer"]
-PAGE_MIB = 4096 / 2**20
 
 
 def resident_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE_MIB
+    return resident_bytes() / 2**20
 
 
 class PhaseMemory:
