@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 from lit_cancel.activation_checkpointing import AUTO, auto_checkpointing, mode_name, use_activation_checkpointing
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
+from lit_cancel.float32_products import float32_products, wants_float32_products
 from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
 from lit_cancel.hub import load_causal_lm, load_tokenizer
@@ -217,6 +218,11 @@ class PolicyModule(L.LightningModule):
         computed as the training step computes its own."""
         return self.trainer.precision_plugin.forward_context()
 
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        """The backward pass in the forward pass's products (:mod:`lit_cancel.float32_products`)."""
+        with float32_products(self.policy.float32_products):
+            super().backward(loss, *args, **kwargs)
+
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
         self.weights_version += 1
@@ -229,7 +235,17 @@ class PolicyModule(L.LightningModule):
         )
 
     def setup(self, stage: str) -> None:
-        """Chooses ``activation_checkpointing: auto``'s mode when fitting starts."""
+        """Chooses ``activation_checkpointing: auto``'s mode when fitting starts; on a CPU without bfloat16 instructions,
+        a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
+        precision = str(self.trainer.precision)
+        emulated = wants_float32_products(precision, self.trainer.strategy.root_device, self.compile)
+        for root in self.modules():
+            if isinstance(root, ModelRoot):
+                root.float32_products = emulated
+        if emulated:
+            rank_zero_info(f"trainer.precision {precision}: this CPU has no bfloat16 instructions, so each bfloat16 matrix product is "
+                           "computed in float32 from the same bfloat16 values and rounded back, several times faster than "
+                           "its emulation")
         if stage == "fit" and self.activation_checkpointing == AUTO:
             choice = auto_checkpointing(self, self.trainer)
             self.activation_checkpointing = choice.mode

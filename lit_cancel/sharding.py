@@ -24,9 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lit_cancel.float32_products import float32_products
+
 
 class ModelRoot(nn.Module):
     """Holds a model and runs ``fn(model, *args, **kwargs)`` inside its own ``forward``.
+
+    With ``float32_products`` set (by the module, when fitting or validating starts), ``fn`` runs inside
+    :class:`~lit_cancel.float32_products.Float32Products`.
 
     Example::
 
@@ -37,9 +42,11 @@ class ModelRoot(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.float32_products = False
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(self.model, *args, **kwargs)
+        with float32_products(self.float32_products):
+            return fn(self.model, *args, **kwargs)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

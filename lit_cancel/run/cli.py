@@ -167,8 +167,9 @@ class LitCancelCLI(LightningCLI):
         precision = str(self.trainer.precision)
         if precision.startswith("bf16") and isinstance(self.trainer.accelerator, CPUAccelerator) and cpu_has_native_bf16() is False:
             rank_zero_warn(
-                f"trainer.precision {precision} on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): every "
-                "bfloat16 product is emulated, so the run will be slower than in float32; use trainer.precision 32-true"
+                f"trainer.precision {precision} on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): its matrix "
+                "products are computed in float32, but attention is emulated and every cast costs time, so the run will be "
+                "slower than in float32; use trainer.precision 32-true"
             )
         if getattr(self.model, "compile", None) is True and shards(self.trainer.strategy):
             raise ConfigError(

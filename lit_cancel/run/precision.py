@@ -2,17 +2,16 @@
 
 On a GPU with bfloat16 (NVIDIA Ampere and later) it is ``bf16-mixed``, on other GPUs ``32-true``. On a CPU the
 answer depends on the CPU and on the model's width: AMX multiplies bfloat16 several times faster than float32,
-AVX-512 BF16 alone about as fast, and without either every bfloat16 product is emulated; small matrices pay
+AVX-512 BF16 alone about as fast, and without either a bfloat16 product is computed in float32 at float32's speed
+(:mod:`lit_cancel.float32_products`); small matrices pay
 for the casts whatever the CPU. So on a CPU it is measured, once at start-up: the forward and backward pass of
 a training pass and a few decoding steps of one block of the model's shape, in float32 and under bfloat16
 autocast.
 """
 
 import copy
-import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -21,6 +20,7 @@ from lightning.fabric.connector import _PRECISION_INPUT
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from lit_cancel.engines.decode_loop import cache_keyword
+from lit_cancel.float32_products import cpu_flags, cpu_has_native_bf16, float32_products
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import resolve_model_path
 
@@ -37,26 +37,13 @@ class PrecisionChoice:
     reason: str
 
 
-def cpu_has_native_bf16() -> bool | None:
-    """Whether the CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX, from /proc/cpuinfo); None where unknown."""
-    flags = cpu_flags()
-    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & flags)
-
-
-def cpu_flags() -> set[str] | None:
-    """The CPU's flags from /proc/cpuinfo; None where there is no such file or line."""
-    try:
-        found = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    except OSError:
-        return None
-    return None if found is None else set(found[1].split())
-
-
 def cpu_bf16_speedup(config: PretrainedConfig, repeats: int = 5) -> float:
     """Float32 time over bfloat16-autocast time, on this CPU, of a model of ``config``'s shape cut to one block, random
     weights: a training pass (forward and backward over 128 tokens) and 16 decoding steps of 16 rows from a cache.
     The fastest of ``repeats`` interleaved timings each, after one untimed pass. Both kinds of work count: a small model
-    decodes slower under autocast (a cast per operation) even where its matrix products are faster."""
+    decodes slower under autocast (a cast per operation) even where its matrix products are faster. On a CPU without
+    bfloat16 instructions the bfloat16 products are computed in float32, as the run would compute them
+    (:mod:`lit_cancel.float32_products`)."""
     bound_kernel_cache()
     one_block = copy.deepcopy(config)
     one_block.num_hidden_layers = 1
@@ -66,9 +53,11 @@ def cpu_bf16_speedup(config: PretrainedConfig, repeats: int = 5) -> float:
     sequences = torch.randint(config.vocab_size, (1, 128), generator=generator)
     prompts = torch.randint(config.vocab_size, (16, 8), generator=generator)
 
+    emulated = cpu_has_native_bf16() is False
+
     def seconds(bf16: bool) -> float:
         started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), float32_products(bf16 and emulated):
             model(input_ids=sequences).logits.float().logsumexp(-1).mean().backward()
             with torch.no_grad():
                 cache = DynamicCache(config=one_block)

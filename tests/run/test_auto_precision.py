@@ -40,14 +40,3 @@ def test_the_command_line_replaces_auto_by_the_measured_choice_and_says_so(tmp_p
 def test_a_trainer_built_in_python_asks_for_the_choice_itself():
     with pytest.raises(ValueError, match=r"auto_precision\(model_path\)\.precision"):
         precision.Trainer(precision="auto")
-
-
-def test_the_cpu_flags_decide_native_bf16(monkeypatch, tmp_path):
-    info = tmp_path / "cpuinfo"
-    real_path = precision.Path
-    monkeypatch.setattr(precision, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
-    for flags, native in [("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True)]:
-        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert precision.cpu_has_native_bf16() is native
-    info.write_text("processor : 0\n")
-    assert precision.cpu_has_native_bf16() is None

@@ -395,8 +395,9 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_u
         main(args)
     slow = [str(w.message) for w in caught if "bfloat16 instructions" in str(w.message)]
     assert slow == ([
-        "trainer.precision bf16-mixed on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): every bfloat16 product is "
-        "emulated, so the run will be slower than in float32; use trainer.precision 32-true"
+        "trainer.precision bf16-mixed on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): its matrix products are "
+        "computed in float32, but attention is emulated and every cast costs time, so the run will be slower than in float32; "
+        "use trainer.precision 32-true"
     ] if warned else [])
 
 
