@@ -38,6 +38,12 @@ def cpu_has_native_bf16() -> bool | None:
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
+def bf16_instructions() -> str:
+    """The CPU's bfloat16 instructions in words: ``AMX``, ``AVX-512 BF16 without AMX`` or ``no bfloat16 instructions``."""
+    flags = cpu_flags() or set()
+    return "AMX" if "amx_bf16" in flags else "AVX-512 BF16 without AMX" if "avx512_bf16" in flags else "no bfloat16 instructions"
+
+
 class Float32Products(TorchDispatchMode):
     """Inside it, a matrix product whose operands are all bfloat16 on a CPU is computed in float32 and rounded to
     bfloat16; every other operation runs as it would.

@@ -89,9 +89,12 @@ def test_the_cpu_flags_decide_native_bf16(monkeypatch, tmp_path):
     info = tmp_path / "cpuinfo"
     real_path = products.Path
     monkeypatch.setattr(products, "Path", lambda p: info if p == "/proc/cpuinfo" else real_path(p))
-    for flags, native in [("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True)]:
+    for flags, native, words in [("fpu sse avx2 avx512f", False, "no bfloat16 instructions"),
+                                 ("fpu avx512f avx512_bf16", True, "AVX-512 BF16 without AMX"),
+                                 ("fpu avx512_bf16 amx_bf16 amx_tile", True, "AMX")]:
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         assert products.cpu_has_native_bf16() is native
+        assert products.bf16_instructions() == words
     info.write_text("processor : 0\n")
     assert products.cpu_has_native_bf16() is None
 

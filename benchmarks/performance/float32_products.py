@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lit_cancel.float32_products import Float32Products, cpu_flags
+from lit_cancel.float32_products import Float32Products, bf16_instructions
 
 HIDDEN, MLP = 512, 1280
 
@@ -45,9 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    flags = cpu_flags() or set()
-    hardware = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bfloat16 instructions"
-    print(f"F.linear, {HIDDEN} -> {MLP}, {args.threads} threads, median ms of {args.repeats}; CPU: {hardware}\n")
+    print(f"F.linear, {HIDDEN} -> {MLP}, {args.threads} threads, median ms of {args.repeats}; CPU: {bf16_instructions()}\n")
     print("| rows | bf16, torch's kernel | bf16, Float32Products | float32 | kernel / Float32Products | elements differing "
           "| largest difference / sum of magnitudes |")
     print("|---|---|---|---|---|---|---|")

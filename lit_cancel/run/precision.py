@@ -20,7 +20,7 @@ from lightning.fabric.connector import _PRECISION_INPUT
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from lit_cancel.engines.decode_loop import cache_keyword
-from lit_cancel.float32_products import cpu_flags, cpu_has_native_bf16, float32_products
+from lit_cancel.float32_products import bf16_instructions, cpu_has_native_bf16, float32_products
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import resolve_model_path
 
@@ -80,8 +80,7 @@ def auto_precision(model_path: str, accelerator: str = "auto") -> PrecisionChoic
         return PrecisionChoice("32-true", f"{torch.cuda.get_device_name()} has no bfloat16 (16-mixed is the faster choice there)")
     config = AutoConfig.from_pretrained(resolve_model_path(model_path)).get_text_config(decoder=True)
     speedup = cpu_bf16_speedup(config)
-    flags = cpu_flags() or set()
-    hardware = "AMX" if "amx_bf16" in flags else "AVX-512 BF16 without AMX" if "avx512_bf16" in flags else "no bfloat16 instructions"
+    hardware = bf16_instructions()
     measured = (f"one block of this model ({config.hidden_size} wide, {config.vocab_size} tokens) trained and decoded under "
                 f"bfloat16 autocast at {speedup:.2f}x float32's speed on this CPU ({hardware})")
     if speedup >= MIN_CPU_SPEEDUP:
