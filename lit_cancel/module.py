@@ -238,14 +238,14 @@ class PolicyModule(L.LightningModule):
         """Chooses ``activation_checkpointing: auto``'s mode when fitting starts; on a CPU without bfloat16 instructions,
         a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
         precision = str(self.trainer.precision)
-        emulated = wants_float32_products(precision, self.trainer.strategy.root_device, self.compile)
-        for root in self.modules():
-            if isinstance(root, ModelRoot):
-                root.float32_products = emulated
-        if emulated:
+        widen = wants_float32_products(precision, self.trainer.strategy.root_device, self.compile)
+        if widen and not self.policy.float32_products:  # said once, though validate and fit each set the module up
             rank_zero_info(f"trainer.precision {precision}: this CPU has no bfloat16 instructions, so each bfloat16 matrix product is "
                            "computed in float32 from the same bfloat16 values and rounded back, several times faster than "
                            "its emulation")
+        for root in self.modules():
+            if isinstance(root, ModelRoot):
+                root.float32_products = widen
         if stage == "fit" and self.activation_checkpointing == AUTO:
             choice = auto_checkpointing(self, self.trainer)
             self.activation_checkpointing = choice.mode

@@ -128,6 +128,7 @@ def test_an_rl_run_in_bf16_without_bfloat16_instructions_widens_rollouts_trainin
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     with caplog.at_level("INFO"):
         trainer.fit(module, datamodule=data)
+        module.setup("validate")  # set up again, as validating before fitting does: said once
     assert module.policy.float32_products is module.reference.float32_products is (not native)
     said = [record.getMessage() for record in caplog.records if "no bfloat16 instructions" in record.getMessage()]
     if native:
