@@ -11,6 +11,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lit_cancel.tokenizer import build_char_tokenizer
 
 
+def checkpoints_blocks(model: torch.nn.Module) -> bool:
+    """Whether Hugging Face checkpoints each block of ``model`` (transformers 5.24 renamed ``is_gradient_checkpointing``)."""
+    return model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else model.is_gradient_checkpointing
+
+
 def checksum_reward(record: dict, completion: str) -> float:
     """A reward that differs between random completions, so an untrained model gets non-zero advantages; configs load it as
     ``conftest.checksum_reward`` (tests/ is on the path of every test and of the runs they start)."""

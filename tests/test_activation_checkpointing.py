@@ -3,6 +3,7 @@
 import lightning as L
 import pytest
 import torch
+from conftest import checkpoints_blocks
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lit_cancel import AdditionTask, RLModule, RolloutDataModule, activation_checkpointing
@@ -79,7 +80,7 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
     """With little memory at hand the leanest mode is chosen, the model set up for it, and the choice logged."""
     monkeypatch.setattr(activation_checkpointing, "memory_at_hand", lambda device: 2**20)
     module = RLModule("embedded:tiny-adder", max_new_tokens=24, activation_checkpointing="auto", max_tokens_per_chunk=64)
-    assert module.activation_checkpointing == "auto" and not module.policy.model.is_gradient_checkpointing
+    assert module.activation_checkpointing == "auto" and not checkpoints_blocks(module.policy.model)
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
@@ -89,7 +90,7 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
     row_tokens = max(len(ids) for ids in module.tokenizer([r["prompt"] for r in data.task.train_records()])["input_ids"]) + 24
     leanest = min(activation_checkpointing.MODES, key=lambda mode: training_pass_bytes(mode, kept, 4, 16, row_tokens, 64))
     assert module.activation_checkpointing == leanest
-    assert module.policy.model.is_gradient_checkpointing == (leanest in ("blocks", "blocks+chunks"))
+    assert checkpoints_blocks(module.policy.model) == (leanest in ("blocks", "blocks+chunks"))
     assert module.recompute_chunks == (leanest in ("chunks", "blocks+chunks"))
     assert f"activation_checkpointing auto: {leanest} (a training pass of 16 rows of {row_tokens} tokens" in caplog.text
 
@@ -101,4 +102,4 @@ def test_auto_without_memory_facts_uses_blocks(monkeypatch):
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
-    assert module.activation_checkpointing == "blocks" and module.policy.model.is_gradient_checkpointing
+    assert module.activation_checkpointing == "blocks" and checkpoints_blocks(module.policy.model)
