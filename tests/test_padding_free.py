@@ -227,13 +227,16 @@ def test_chunked_step_under_fsdp2_has_the_gradient_of_the_whole_micro_batch(tmp_
 
 @pytest.mark.slow
 def test_compiled_decoder_gives_the_eager_gradient_and_serves_rollouts_and_reference(tiny_model_path, tmp_path):
-    """RLModule(compile=True): Trainer.fit compiles the policy's and the reference's decoders; a step's gradient (chunked,
-    off-policy with KL) is the eager one up to float rounding."""
+    """RLModule(compile=True): Trainer.fit compiles the policy's and the reference's decoders, which decode and score
+    without a graph break (one inside the loop over the layers would run the whole decoder in eager Python), the
+    rollouts' caches growing as they fill; a step's gradient (chunked, off-policy with KL) is the eager one up to float
+    rounding."""
     from torch._dynamo.utils import counters
 
     from lit_cancel.module import compile_decoder
 
     torch._dynamo.reset()
+    counters.clear()
     module = RLModule(tiny_model_path, objective=GRPO(kl_coef=0.05), max_new_tokens=12, temperature=0.9, compile=True)
     data = RolloutDataModule(AdditionTask(num_digits=3, train_size=64, val_size=4), prompts_per_round=2, group_size=4)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -242,6 +245,7 @@ def test_compiled_decoder_gives_the_eager_gradient_and_serves_rollouts_and_refer
     policy, reference = module.policy.model.get_decoder(), module.reference.model.get_decoder()
     assert policy._compiled_call_impl is not None and reference._compiled_call_impl is not None
     assert counters["stats"]["unique_graphs"] >= 2  # rollouts (no grad) and the training pass at least
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
     eager = RLModule(tiny_model_path, objective=GRPO(kl_coef=0.05), max_new_tokens=12, temperature=0.9, logprob_chunk_size=7)
     batch = unequal_batch(eager, off_policy=True)

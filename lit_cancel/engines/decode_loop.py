@@ -91,11 +91,16 @@ def tokens_at(cumulative: Tensor, points: Tensor) -> Tensor:
     return torch.searchsorted(cumulative, points).squeeze(1)
 
 
-@torch.compiler.disable  # run as Python under torch.compile, which traces the buffers' sizes as symbols
 def _release_outgrown(buffers: tuple[Tensor, Tensor]) -> None:
     """Hands the heap's free pages back after a layer's buffers grew out of ``buffers``: the smaller buffers freed
     before are holes in the heap that the larger ones cannot reuse. A few MiB of holes cannot reach the trim's
-    threshold, and the check walks the heap's free lists, so small buffers, and buffers on a GPU, skip it."""
+    threshold, and the check walks the heap's free lists, so small buffers, and buffers on a GPU, skip it.
+
+    A compiled decoder skips it: a call that torch.compile cannot trace breaks the graph inside the loop over the
+    decoder's layers, and a graph break in a loop sends the whole decoder's pass back to eager Python. The training
+    pass still hands the heap back after each chunk."""
+    if torch.compiler.is_compiling():
+        return
     if buffers[0].device.type == "cpu" and sum(buffer.nbytes for buffer in buffers) >= _RELEASE_AFTER_GROWING:
         release_free_heap()
 
