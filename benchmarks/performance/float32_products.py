@@ -11,25 +11,15 @@ float32 sums differs by one bfloat16 step, at most 2^-7 = 7.8e-3 of that sum.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import median_ms  # benchmarks/performance is on the path when run as a script
 
 from lit_cancel.float32_products import Float32Products, bf16_instructions
 
 HIDDEN, MLP = 512, 1280
 
-
-def median_ms(product, operands: tuple[torch.Tensor, torch.Tensor], repeats: int) -> float:
-    product(*operands)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        product(*operands)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
 
 
 def widened(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

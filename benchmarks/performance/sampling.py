@@ -10,24 +10,14 @@ its cumulative sum in float64 and a search at a uniform point per row). The voca
 """
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_ms  # benchmarks/performance is on the path when run as a script
 
 from lit_cancel.engines.decode_loop import sample_tokens
 
 VOCABULARIES = {"characters": 64, "Llama 2": 32_000, "Qwen2.5": 151_936}
 
-
-def median_ms(draw, scores: torch.Tensor, repeats: int) -> float:
-    draw(scores)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        draw(scores)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -46,7 +36,7 @@ def main() -> None:
     for name, size in VOCABULARIES.items():
         for rows in args.rows:
             scores = torch.randn(rows, size)
-            before, after = median_ms(multinomial, scores, args.repeats), median_ms(sample_tokens, scores, args.repeats)
+            before, after = median_ms(multinomial, (scores,), args.repeats), median_ms(sample_tokens, (scores,), args.repeats)
             print(f"{f'{name} ({size:,})':<22} {rows:>5} {before:>15.3f} {after:>17.3f} {after / before:>6.2f}")
 
 
