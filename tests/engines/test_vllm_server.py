@@ -233,9 +233,12 @@ def test_a_server_killed_mid_run_stops_the_run_with_its_url_and_a_restarted_one_
     # a server's first generation can keep it from answering anything for seconds on a 2-core CPU, which the 3 s
     # allowed here would take for a dead server: one generation before the run leaves only the kill to be noticed
     options = ServerSampling(1.0, 1.0, 8, (module.tokenizer.eos_token_id,))
-    ServerClient(url).generate(RolloutRequest(tuple(module.tokenizer("12+34=")["input_ids"]), 2, options, 7, oldest_step=0))
-    with pytest.raises(ServerError, match=f"no vLLM server answered for 3 s.*{url}"):
-        fit(module, 4, tmp_path, callbacks=[KillAtStep(process, 2)])
+    try:
+        ServerClient(url).generate(RolloutRequest(tuple(module.tokenizer("12+34=")["input_ids"]), 2, options, 7, oldest_step=0))
+        with pytest.raises(ServerError, match=f"no vLLM server answered for 3 s.*{url}"):
+            fit(module, 4, tmp_path, callbacks=[KillAtStep(process, 2)])
+    finally:
+        stop(process)  # a run that failed before the kill leaves no server behind
     module.engine.close()
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 2
