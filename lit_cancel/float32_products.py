@@ -71,7 +71,13 @@ def float32_products(enabled: bool) -> AbstractContextManager:
     return Float32Products() if enabled else nullcontext()
 
 
+def emulates_bf16(precision: str, on_cpu: bool) -> bool:
+    """Whether a run in Lightning ``precision`` has its bfloat16 emulated: a ``bf16`` precision on a CPU known to lack
+    bfloat16 instructions."""
+    return precision.startswith("bf16") and on_cpu and cpu_has_native_bf16() is False
+
+
 def wants_float32_products(precision: str, device: torch.device, compiled: bool) -> bool:
-    """Whether a run in Lightning ``precision`` on ``device`` should compute its bfloat16 products in float32: a ``bf16``
-    precision on a CPU known to lack bfloat16 instructions, the model not compiled."""
-    return precision.startswith("bf16") and device.type == "cpu" and not compiled and cpu_has_native_bf16() is False
+    """Whether a run in Lightning ``precision`` on ``device`` should compute its bfloat16 products in float32: where its
+    bfloat16 is emulated (:func:`emulates_bf16`), the model not compiled."""
+    return not compiled and emulates_bf16(precision, device.type == "cpu")

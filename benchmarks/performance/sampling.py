@@ -19,7 +19,6 @@ from lit_cancel.engines.decode_loop import sample_tokens
 VOCABULARIES = {"characters": 64, "Llama 2": 32_000, "Qwen2.5": 151_936}
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128], help="rows drawn at once (prompts x samples)")

@@ -21,13 +21,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cancel.data import RolloutDataModule
+from lit_cancel.float32_products import emulates_bf16
 from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
 from lit_cancel.run.checks import check_checkpoint
 from lit_cancel.run.errors import ConfigError, RunError, config_file_problem, explain
 from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run
 from lit_cancel.run.log_errors import log_write_error, report_log_write_errors
-from lit_cancel.run.precision import AUTO, Trainer, auto_precision, cpu_has_native_bf16
+from lit_cancel.run.precision import AUTO, Trainer, auto_precision
 from lit_cancel.sharding import check_strategy, shards
 
 # other commands of ``lit-cancel``, listed under fit's and validate's --help
@@ -165,7 +166,7 @@ class LitCancelCLI(LightningCLI):
         warns of a precision that would make the run slow on this machine."""
         strategy = type(self.trainer.strategy).__name__
         precision = str(self.trainer.precision)
-        if precision.startswith("bf16") and isinstance(self.trainer.accelerator, CPUAccelerator) and cpu_has_native_bf16() is False:
+        if emulates_bf16(precision, isinstance(self.trainer.accelerator, CPUAccelerator)):
             rank_zero_warn(
                 f"trainer.precision {precision} on a CPU without bfloat16 instructions (no AVX-512 BF16 or AMX): its matrix "
                 "products are computed in float32, but attention is emulated and every cast costs time, so the run will be "

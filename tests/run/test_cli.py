@@ -13,7 +13,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from lit_cancel.run import cli, commands
+from lit_cancel import float32_products
+from lit_cancel.run import commands
 from lit_cancel.run.checkpointing import COMPLETE_MARKER
 from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.cli import run_cli as main
@@ -387,7 +388,7 @@ def test_lightnings_fsdp_v1_strategy_is_refused_before_the_trainer_is_built(tmp_
 
 @pytest.mark.parametrize("native, warned", [(False, True), (True, False)])
 def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_slower_and_what_to_use(tmp_path, monkeypatch, native, warned):
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: native)  # as the CLI imported it
+    monkeypatch.setattr(float32_products, "cpu_has_native_bf16", lambda: native)
     args = ["validate", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.precision=bf16-mixed", "--trainer.enable_progress_bar=false",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task.init_args.val_size=2", "--model.init_args.val_samples=1"]
     with warnings.catch_warnings(record=True) as caught:
