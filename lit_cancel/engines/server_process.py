@@ -274,16 +274,29 @@ def stop_server(process: subprocess.Popen, grace: float = 10.0) -> None:
     """Stops a server :func:`start_server` started, with every process of its group that still runs (vLLM's engine core,
     its workers, its resource tracker), also when the server's own process has ended already: SIGTERM, then SIGKILL to
     those left after ``grace`` seconds."""
+    _signal_group(process.pid, signal.SIGTERM)
+    if not _wait_until_stopped(process, grace):
+        _signal_group(process.pid, signal.SIGKILL)
+        _wait_until_stopped(process, _SECONDS_TO_DIE_OF_SIGKILL)
+
+
+# a killed process ends when it is next scheduled, not when kill() returns: on a busy CPU that takes a moment
+_SECONDS_TO_DIE_OF_SIGKILL = 10.0
+
+
+def _signal_group(group: int, signal_number: int) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
+        os.killpg(group, signal_number)
+
+
+def _wait_until_stopped(process: subprocess.Popen, seconds: float) -> bool:
+    """Whether ``process`` and every process of its group ended within ``seconds``."""
+    deadline = time.monotonic() + seconds
     while process.poll() is None or _group_alive(process.pid):
         if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            break
+            return False
         time.sleep(0.1)
+    return True
 
 
 def wait_until_healthy(client: ServerClient, process: subprocess.Popen | None, seconds: float, log_path: str | None) -> None:

@@ -176,6 +176,23 @@ def test_a_server_process_that_ignores_sigterm_is_killed_after_the_grace_time():
     assert not _group_alive(process.pid) and 1 <= time.monotonic() - started < 5
 
 
+def test_stopping_a_server_waits_for_its_killed_processes_to_end(monkeypatch):
+    """A process dies of SIGKILL when it is next scheduled, which on a busy CPU is a moment after kill() returns; the
+    slow death is made here by delivering SIGKILL half a second late."""
+    process, child = process_group_with_a_child(ignore_sigterm=True)
+    kill_group = os.killpg
+
+    def late_sigkill(group: int, signal_number: int) -> None:
+        if signal_number == signal.SIGKILL:
+            threading.Timer(0.5, kill_group, (group, signal_number)).start()
+        else:
+            kill_group(group, signal_number)
+
+    monkeypatch.setattr(os, "killpg", late_sigkill)
+    stop_server(process, grace=0.2)
+    assert not _group_alive(process.pid) and process.returncode is not None
+
+
 def serve(args: list[str], monkeypatch, capfd) -> tuple[int, list[str]]:
     """``lit-cancel serve ARGS``: its exit status and the lines it printed."""
     monkeypatch.setattr(sys, "argv", ["lit-cancel", "serve", *args])
