@@ -42,6 +42,7 @@ from lit_cancel.engines.server_process import (  # noqa: E402
     free_port,
     server_command,
     start_server,
+    stop_server,
     wait_until_healthy,
 )
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
@@ -65,9 +66,9 @@ def start(folder: Path, port: int) -> subprocess.Popen:
 
 
 def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    """Ends a server's every process at once (SIGTERM, then SIGKILL without a grace time), as a crash would, and returns
+    when they have all ended."""
+    stop_server(process, grace=0)
 
 
 @pytest.fixture(scope="module")
