@@ -21,7 +21,6 @@ from lit_cancel.float32_products import Float32Products, bf16_instructions
 HIDDEN, MLP = 512, 1280
 
 
-
 def widened(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     with Float32Products():
         return F.linear(inputs, weight)

@@ -270,6 +270,10 @@ def _group_alive(group: int) -> bool:
     return False
 
 
+# a killed process ends when it is next scheduled, not when kill() returns: on a busy CPU that takes a moment
+_SECONDS_TO_DIE_OF_SIGKILL = 10.0
+
+
 def stop_server(process: subprocess.Popen, grace: float = 10.0) -> None:
     """Stops a server :func:`start_server` started, with every process of its group that still runs (vLLM's engine core,
     its workers, its resource tracker), also when the server's own process has ended already: SIGTERM, then SIGKILL to
@@ -278,10 +282,6 @@ def stop_server(process: subprocess.Popen, grace: float = 10.0) -> None:
     if not _wait_until_stopped(process, grace):
         _signal_group(process.pid, signal.SIGKILL)
         _wait_until_stopped(process, _SECONDS_TO_DIE_OF_SIGKILL)
-
-
-# a killed process ends when it is next scheduled, not when kill() returns: on a busy CPU that takes a moment
-_SECONDS_TO_DIE_OF_SIGKILL = 10.0
 
 
 def _signal_group(group: int, signal_number: int) -> None:
