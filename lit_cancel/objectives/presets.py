@@ -4,8 +4,12 @@ Whether a preset cancels on tokens that every member of a group shares (same pre
 token) depends on whether the non-advantage factor of the credit, ``w_it / N_it``, is equal across
 the members there: the ratio at a shared position is the same for every member, so token ratios
 keep it equal, and the normaliser and any sequence-level weight decide.
+
+A preset is registered once, as a public name of ``lit_cancel`` (:mod:`lit_cancel.exports`): :data:`PRESETS` holds the
+objectives exported from this module.
 """
 
+from lit_cancel.exports import EXPORTS
 from lit_cancel.objectives.advantages import GroupNormalised, LeaveOneOut, MeanCentred
 from lit_cancel.objectives.clipping import AsymmetricClip, SymmetricClip
 from lit_cancel.objectives.corrections import MismatchCorrection
@@ -216,4 +220,5 @@ class RLOO(PolicyGradient):
         )
 
 
-PRESETS: dict[str, type[Objective]] = {preset.__name__: preset for preset in (GRPO, DrGRPO, DAPO, GSPO, DFPOMin, DFPOOrth, DFPOMinTR, RLOO)}
+PRESETS: dict[str, type[Objective]] = {name: value for name, value in list(globals().items())
+                                       if isinstance(value, type) and EXPORTS.get(name) == __name__}

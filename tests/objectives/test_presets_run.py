@@ -3,10 +3,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_cancel import PRESETS
+from lit_cancel import PRESETS, Objective
+from lit_cancel.objectives import presets
 from lit_cancel.run.cli import run_cli
 
 QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+
+
+def test_every_objective_the_presets_module_defines_is_a_preset_in_the_order_defined():
+    defined = [name for name, value in vars(presets).items()
+               if isinstance(value, type) and issubclass(value, Objective) and value.__module__ == presets.__name__ and name[0] != "_"]
+    assert list(PRESETS) == defined == ["GRPO", "DrGRPO", "DAPO", "GSPO", "DFPOMin", "DFPOOrth", "DFPOMinTR", "RLOO"]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
