@@ -74,7 +74,7 @@ class VLLMEngine(RolloutEngine):
     it a different number of times. The module's ``temperature``, ``top_p``, ``max_new_tokens``
     and the ``generation_kwargs`` ``top_k``, ``min_p``, ``repetition_penalty`` and ``suppress_tokens``
     are honoured; any other generation option is refused when the module is built. Each call's
-    sampling seed is drawn from torch's generator, which the datamodule seeds per round and process, so
+    sampling seed is drawn from torch's generator, which the rollout producer seeds per draw and process, so
     runs repeat and processes draw different random numbers.
 
     With sleep mode the engine releases its KV cache and discards its weights after every training call

@@ -7,7 +7,7 @@ with the run and the optimizer step; every completion comes back with the label 
 sampled it, and one that is not a version of this run, or older than allowed, is refused.
 
 With ``max_staleness: 0`` (synchronous) a round is sampled by exactly the weights it trains, as with
-the other engines. With ``max_staleness: k`` the datamodule asks for up to ``k`` later draws of
+the other engines. With ``max_staleness: k`` the rollout producer asks for up to ``k`` later draws of
 prompts while the trainer trains (:meth:`prefetch`); a draw is sent only once the servers hold
 weights at most ``k`` rounds older than the round that will train it (admission control), so no
 rollout is trained more than ``k`` rounds after the weights that sampled it.
