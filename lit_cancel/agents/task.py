@@ -83,7 +83,8 @@ class EnvironmentTask(AgentTask):
             public methods are the tools, whose ``reset(**record)`` may return text, and whose optional
             ``get_reward()`` scores the episode (:class:`~lit_cancel.agents.TRLEnvironment`).
         max_turns, max_turn_tokens, max_episode_tokens: as :class:`AgentTask`.
-        tool_timeout: seconds a tool call of a TRL environment may take.
+        tool_timeout: seconds a tool call of a TRL environment may take; 10 when None. An environment of your own times
+            its tools itself.
         chat_template: a local Hugging Face folder (``embedded:NAME`` too) whose tokenizer's chat template renders each
             record's prompt as one user message, with the environment's tool schemas (``tools=``) and the assistant's
             generation prompt, as an instruct model expects them; None: prompts as the task gives them. The folder is
@@ -105,7 +106,7 @@ class EnvironmentTask(AgentTask):
 
     def __init__(self, task: Task, environment: Callable[[], Environment] | None = None,
                  trl_environment: Callable[[], object] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
-                 max_episode_tokens: int = 512, tool_timeout: float = 10.0, chat_template: str | None = None,
+                 max_episode_tokens: int = 512, tool_timeout: float | None = None, chat_template: str | None = None,
                  call_format: CallFormat | None = None) -> None:
         super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
         if (environment is None) == (trl_environment is None):
@@ -114,6 +115,8 @@ class EnvironmentTask(AgentTask):
         if call_format is not None and trl_environment is None:
             raise ValueError("EnvironmentTask: call_format applies to a trl_environment; an environment of your own parses "
                              "its turns in its step")
+        if tool_timeout is not None and trl_environment is None:
+            raise ValueError("EnvironmentTask: tool_timeout applies to a trl_environment; an environment of your own times its tools")
         if call_format is not None and not isinstance(call_format, CallFormat):
             raise ValueError(f"EnvironmentTask: call_format must be a CallFormat (e.g. lit_cancel.agents.ColonCalls), got "
                              f"{call_format!r}")
@@ -123,7 +126,7 @@ class EnvironmentTask(AgentTask):
                                  f"{value!r}")
         self.task = task
         self.make = (environment if environment is not None else
-                     from_trl_factory(trl_environment, calls=call_format, timeout=tool_timeout))
+                     from_trl_factory(trl_environment, calls=call_format, timeout=10.0 if tool_timeout is None else tool_timeout))
         self.chat_template = chat_template
         self.rendered: dict[str, list[Record]] = {}
 

@@ -235,6 +235,26 @@ def test_a_call_format_is_refused_for_an_environment_of_your_own_and_when_it_is_
         EnvironmentTask(task, trl_environment=dict, call_format="colon")
 
 
+def test_a_tool_timeout_is_refused_for_an_environment_of_your_own_and_reaches_a_trl_environments_tools():
+    class Calculator:
+        def reset(self, **row):
+            return None
+
+        def calculate(self, expression: str) -> str:
+            """Evaluates an arithmetic expression.
+
+            Args:
+                expression: the expression.
+            """
+            return calculate(expression)
+
+    task = AdditionTask(num_digits=1, train_size=4, val_size=2)
+    with pytest.raises(ValueError, match="tool_timeout applies to a trl_environment"):
+        EnvironmentTask(task, environment=Countdown, tool_timeout=5.0)
+    assert EnvironmentTask(task, trl_environment=Calculator, tool_timeout=5.0).environment().timeout == 5.0
+    assert EnvironmentTask(task, trl_environment=Calculator).environment().timeout == 10.0
+
+
 def test_environment_task_takes_exactly_one_environment():
     task = AdditionTask(num_digits=1, train_size=4, val_size=2)
     with pytest.raises(ValueError, match="exactly one of environment"):
