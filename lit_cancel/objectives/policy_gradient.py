@@ -82,6 +82,15 @@ def mismatch_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     }
 
 
+@dataclass
+class Term:
+    """A term of a :class:`PolicyGradient`'s loss: its value, its detached credits (``-d loss / d logprobs``) and what it logs."""
+
+    loss: Tensor
+    credits: Tensor
+    metrics: dict[str, Tensor]
+
+
 class PolicyGradient(Objective):
     """The family's common form, composed from parts::
 
@@ -153,79 +162,109 @@ class PolicyGradient(Objective):
         return self.advantage(rewards)
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
-        if batch.step_sequences <= 0 or batch.step_tokens <= 0:
-            raise ValueError(
-                f"{type(self).__name__} needs the optimizer step's counts on the RolloutBatch, got step_sequences="
-                f"{batch.step_sequences} and step_tokens={batch.step_tokens}: for a step of one micro-batch on one process "
-                f"set step_sequences=len(batch) and step_tokens=float(batch.completion_mask.sum()) "
-                f"(RolloutDataModule sets both, divided by the micro-batches and processes averaged over)"
-            )
+        check_step_counts(type(self).__name__, batch)
         mask = batch.completion_mask.to(logprobs.dtype)
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
-        advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
         inverse_n = mask / self.normaliser(batch)
-        tokens = mask.sum().clamp(min=1)
-        metrics, policy_n = {}, inverse_n
-        if batch.sampler_logprobs is not None:
-            sampler_log_ratio = (old - batch.sampler_logprobs) * mask
-            metrics.update(mismatch_metrics(sampler_log_ratio, mask))
-            if self.correction is not None:
-                correction = self.correction(sampler_log_ratio, mask, batch.group_ids)
-                policy_n = inverse_n * correction
-                metrics["objective/correction_mean"] = correction.sum() / tokens
-                metrics["objective/correction_zero_frac"] = ((correction == 0) * mask).sum() / tokens
-        lengths = mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = (logprobs - old) * mask
-        if self.trust_region is not None:
-            region = self.trust_region(log_ratio.detach(), mask, batch)
-            policy_n = policy_n * region
-            metrics["objective/trust_region_mean"] = (region * mask).sum() / tokens
-            metrics["objective/trust_region_zero_frac"] = ((region == 0) * mask).sum() / tokens
-        weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / lengths).exp()
-        zeros = torch.zeros_like(mask)
-
-        if self.group_transform is not None:
-            transformed = self.group_transform(weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype), batch.group_ids)
-            token_credit = transformed.unsqueeze(1) * advantages * policy_n
-            # value w~ A / N at the current point, gradient w~ A grad logp / N
-            policy_loss = -(token_credit * (logprobs - logprobs.detach() + 1)).sum()
-            credits, clipped_low, clipped_high = token_credit, zeros, zeros
-        else:
-            clipped = self.clip(weight, advantages)
-            if self.ratio == "token":
-                policy_loss = -(clipped.surrogate * policy_n).sum()
-                credits = weight.detach() * advantages * clipped.active * policy_n
-            else:
-                per_sequence_n = policy_n.sum(1, keepdim=True)
-                policy_loss = -(clipped.surrogate * per_sequence_n).sum()
-                credits = weight.detach() * advantages * clipped.active * per_sequence_n / lengths * mask
-            clipped_low, clipped_high = clipped.clipped_low * mask, clipped.clipped_high * mask
-
-        loss, kl_loss = policy_loss, torch.zeros((), device=logprobs.device)
-        policy_mass, kl_mass = (credits * mask).abs().sum(), torch.zeros((), device=logprobs.device)
-        if self.kl_coef > 0:
-            kl, kl_derivative = kl_estimate(logprobs, batch.ref_logprobs, self.kl_estimator)
-            kl_loss = (kl * inverse_n).sum()
-            loss = loss + self.kl_coef * kl_loss
-            kl_credits = self.kl_coef * kl_derivative.detach() * inverse_n
-            credits = credits - kl_credits
-            kl_mass = (kl_credits * mask).abs().sum()
+        policy_n, corrected = self.mismatch_corrected(inverse_n, old, batch, mask)
+        policy_n, bounded = self.within_trust_region(policy_n, log_ratio, batch, mask)
+        weight = log_ratio.exp() if self.ratio == "token" else (log_ratio.sum(1, keepdim=True) / sequence_lengths(mask)).exp()
+        policy = self.policy_term(logprobs, weight, policy_n, batch, mask)
+        kl = self.kl_term(logprobs, batch.ref_logprobs, inverse_n) if self.kl_coef > 0 else None
+        entropy = self.entropy_term(logprobs, inverse_n) if self.entropy_coef > 0 else None
+        zero, tokens = torch.zeros((), device=logprobs.device), mask.sum().clamp(min=1)
+        loss, credits, metrics = policy.loss, policy.credits, {"loss/kl": zero} | corrected | bounded | policy.metrics
+        for term in (kl, entropy):
+            if term is not None:
+                loss, credits, metrics = loss + term.loss, credits + term.credits, metrics | term.metrics
+        policy_mass, kl_mass = (policy.credits * mask).abs().sum(), zero if kl is None else (kl.credits * mask).abs().sum()
         mass = policy_mass + kl_mass
-        if self.entropy_coef > 0:
-            sampled = logprobs.detach()
-            # value: alpha * sum logp / N (minus the sampled entropy estimate); gradient alpha sg(logp) grad logp / N
-            bonus = (sampled * (logprobs - sampled + 1) * inverse_n).sum()
-            loss = loss + self.entropy_coef * bonus
-            credits = credits - self.entropy_coef * sampled * inverse_n
-            metrics["loss/entropy_bonus"] = self.entropy_coef * bonus.detach()
-
-        metrics.update({
-            "loss/policy": policy_loss.detach(),
-            "loss/kl": kl_loss.detach(),
-            "objective/clip_frac_low": clipped_low.sum() / tokens,
-            "objective/clip_frac_high": clipped_high.sum() / tokens,
+        metrics |= {
             "objective/ratio_mean": (weight.detach() * mask).sum() / tokens,
             "objective/approx_kl": (0.5 * (logprobs.detach() - old) ** 2 * mask).sum() / tokens,
             "objective/kl_share": torch.where(mass > 0, kl_mass / mass.clamp(min=torch.finfo(mass.dtype).tiny), 0.0),
-        })
+        }
         return ObjectiveOutput(loss=loss, credits=(credits * mask).detach(), metrics=metrics)
+
+    def mismatch_corrected(self, inverse_n: Tensor, old: Tensor, batch: RolloutBatch, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy term's ``1 / N``, times the correction's weight ``rho`` where the rollouts come from an engine with its
+        own copy of the weights (``sampler_logprobs``) and the objective has a ``correction``; the mismatch's metrics."""
+        if batch.sampler_logprobs is None:
+            return inverse_n, {}
+        sampler_log_ratio = (old - batch.sampler_logprobs) * mask
+        metrics = mismatch_metrics(sampler_log_ratio, mask)
+        if self.correction is None:
+            return inverse_n, metrics
+        correction = self.correction(sampler_log_ratio, mask, batch.group_ids)
+        tokens = mask.sum().clamp(min=1)
+        return inverse_n * correction, metrics | {
+            "objective/correction_mean": correction.sum() / tokens,
+            "objective/correction_zero_frac": ((correction == 0) * mask).sum() / tokens,
+        }
+
+    def within_trust_region(self, policy_n: Tensor, log_ratio: Tensor, batch: RolloutBatch,
+                            mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """``policy_n`` times the ``trust_region``'s weights of the token ratios (stop-gradient), where the objective has one."""
+        if self.trust_region is None:
+            return policy_n, {}
+        region = self.trust_region(log_ratio.detach(), mask, batch)
+        tokens = mask.sum().clamp(min=1)
+        return policy_n * region, {
+            "objective/trust_region_mean": (region * mask).sum() / tokens,
+            "objective/trust_region_zero_frac": ((region == 0) * mask).sum() / tokens,
+        }
+
+    def policy_term(self, logprobs: Tensor, weight: Tensor, policy_n: Tensor, batch: RolloutBatch, mask: Tensor) -> Term:
+        """The policy-gradient term of the ratios ``weight``: DFPO's clip-free estimator over the group-transformed
+        weights with a ``group_transform``, else the clipped surrogate."""
+        advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
+        zeros, tokens = torch.zeros_like(mask), mask.sum().clamp(min=1)
+        if self.group_transform is not None:
+            transformed = self.group_transform(weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype), batch.group_ids)
+            credits = transformed.unsqueeze(1) * advantages * policy_n
+            # value w~ A / N at the current point, gradient w~ A grad logp / N
+            loss = -(credits * (logprobs - logprobs.detach() + 1)).sum()
+            clipped_low, clipped_high = zeros, zeros
+        else:
+            clipped = self.clip(weight, advantages)
+            if self.ratio == "token":
+                loss = -(clipped.surrogate * policy_n).sum()
+                credits = weight.detach() * advantages * clipped.active * policy_n
+            else:
+                per_sequence_n = policy_n.sum(1, keepdim=True)
+                loss = -(clipped.surrogate * per_sequence_n).sum()
+                credits = weight.detach() * advantages * clipped.active * per_sequence_n / sequence_lengths(mask) * mask
+            clipped_low, clipped_high = clipped.clipped_low * mask, clipped.clipped_high * mask
+        return Term(loss, credits, {"loss/policy": loss.detach(), "objective/clip_frac_low": clipped_low.sum() / tokens,
+                                    "objective/clip_frac_high": clipped_high.sum() / tokens})
+
+    def kl_term(self, logprobs: Tensor, ref_logprobs: Tensor, inverse_n: Tensor) -> Term:
+        """``beta sum KL_it / N_it``, the KL to the reference model by the objective's estimator (``loss/kl`` logs the sum)."""
+        kl, derivative = kl_estimate(logprobs, ref_logprobs, self.kl_estimator)
+        kl_loss = (kl * inverse_n).sum()
+        return Term(self.kl_coef * kl_loss, -(self.kl_coef * derivative.detach() * inverse_n), {"loss/kl": kl_loss.detach()})
+
+    def entropy_term(self, logprobs: Tensor, inverse_n: Tensor) -> Term:
+        """The entropy bonus ``-alpha sum H^_it / N_it`` by the sampled tokens' estimate ``grad H ~ -sum sg(logp) grad logp``."""
+        sampled = logprobs.detach()
+        # value: alpha * sum logp / N (minus the sampled entropy estimate); gradient alpha sg(logp) grad logp / N
+        bonus = (sampled * (logprobs - sampled + 1) * inverse_n).sum()
+        return Term(self.entropy_coef * bonus, -(self.entropy_coef * sampled * inverse_n),
+                    {"loss/entropy_bonus": self.entropy_coef * bonus.detach()})
+
+
+def sequence_lengths(mask: Tensor) -> Tensor:
+    """``[B, 1]`` completion tokens per row, at least 1."""
+    return mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def check_step_counts(name: str, batch: RolloutBatch) -> None:
+    """Raises ValueError, saying how to set them, when ``batch`` lacks the optimizer step's counts the normalisers divide by."""
+    if batch.step_sequences <= 0 or batch.step_tokens <= 0:
+        raise ValueError(
+            f"{name} needs the optimizer step's counts on the RolloutBatch, got step_sequences="
+            f"{batch.step_sequences} and step_tokens={batch.step_tokens}: for a step of one micro-batch on one process "
+            f"set step_sequences=len(batch) and step_tokens=float(batch.completion_mask.sum()) "
+            f"(RolloutDataModule sets both, divided by the micro-batches and processes averaged over)"
+        )
