@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.agents.task import AgentTask
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.exports import EXPORTS
-from lit_cancel.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
-from lit_cancel.producer import Processes, RolloutProducer
-from lit_cancel.rollouts import encode_prompts
+from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
+from lit_cancel.rounds.producer import Processes, RolloutProducer
+from lit_cancel.rounds.score import encode_prompts
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
@@ -91,7 +91,7 @@ class RolloutDataModule(TaskDataModule):
     * each step is split into ``trainer.accumulate_grad_batches`` micro-batches (Lightning's own
       option), so a micro-batch has ``rollouts / processes / mini_batches / accumulate`` rollouts.
 
-    Each round comes from the datamodule's :class:`~lit_cancel.producer.RolloutProducer` (``producer``):
+    Each round comes from the datamodule's :class:`~lit_cancel.rounds.producer.RolloutProducer` (``producer``):
     it draws the prompts, samples ``G`` completions of each with the LightningModule's engine, scores
     them with the task's reward and computes advantages with the module's ``objective.advantages``
     over each whole group. With ``dynamic_sampling`` (DAPO), groups whose

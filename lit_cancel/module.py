@@ -17,14 +17,14 @@ from lit_cancel.activation_checkpointing import AUTO, auto_checkpointing, mode_n
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.float32_products import float32_products, wants_float32_products
-from lit_cancel.generation import Generation, encode_completions, padded, stop_token_ids
 from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.objectives.presets import GRPO
-from lit_cancel.rollouts import accuracy_terms
+from lit_cancel.rounds.sample import Generation, encode_completions, padded, stop_token_ids
+from lit_cancel.rounds.score import accuracy_terms
 from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
 
 _SET_ELSEWHERE = {
@@ -63,7 +63,7 @@ class PolicyModule(L.LightningModule):
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
     Completions end at the first of ``self.stop_token_ids``: the tokenizer's EOS and every
-    ``eos_token_id`` of the model's generation config (:func:`~lit_cancel.generation.stop_token_ids`).
+    ``eos_token_id`` of the model's generation config (:func:`~lit_cancel.rounds.sample.stop_token_ids`).
 
     Args:
         model_path: local Hugging Face model folder, or ``embedded:tiny-adder``.

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lit_cancel import AdditionTask, MathWordTask, RewardError, RolloutBatch, RolloutDataModule, Shuffled
-from lit_cancel.rollouts import score
+from lit_cancel.rounds.score import score
 
 
 def test_reward_function_that_raises_names_prompt_and_completion(gsm8k_file):

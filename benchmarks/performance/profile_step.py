@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from vs_trl import ROWS, fit_lit_cancel, lit_cancel_module, write_model  # benchmarks/ is on the path when run as a script
 
-import lit_cancel.rollouts
+import lit_cancel.rounds.score
 from lit_cancel import DecodeLoop, HFGenerate
 
 PARTS = ["prefill", "decode", "reward", "advantages", "old/ref log-probs", "training forward", "backward", "optimizer", "other"]
@@ -124,7 +124,7 @@ def main() -> None:
         module.score_rollouts = watch.timed("old/ref log-probs", module.score_rollouts)
         module.training_step = watch.timed("training forward", module.training_step)
         module.objective.advantages = watch.timed("advantages", module.objective.advantages)
-        lit_cancel.rollouts.score = watch.timed("reward", lit_cancel.rollouts.score)
+        lit_cancel.rounds.score.score = watch.timed("reward", lit_cancel.rounds.score.score)
         fit_lit_cancel(module, scratch, row, args.steps + args.warmup + 1, [StepParts(watch)])
     steps = watch.steps[args.warmup:]
     total = statistics.median(s["total"] for s in steps)

@@ -2,7 +2,7 @@
 
 Each turn, every episode still running is continued from its own tokens (prompt, earlier turns, observations), never
 from re-tokenized text, so what the policy was conditioned on when it sampled is exactly what training reads. The
-episode becomes one row of a :class:`~lit_cancel.generation.Generation`: its prompt left-padded, then its turns and
+episode becomes one row of a :class:`~lit_cancel.rounds.sample.Generation`: its prompt left-padded, then its turns and
 observations; ``attention_mask`` is one on all of them, ``completion_mask`` on the policy's tokens only, so that the
 environment's tokens stay in the context and out of every credit and normaliser.
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_cancel.agents.environment import Environment, EnvironmentFailure, episode_reward, reset_episode, step_episode
-from lit_cancel.generation import Generation, padded
-from lit_cancel.rollouts import checked_reward
+from lit_cancel.rounds.sample import Generation, padded
+from lit_cancel.rounds.score import checked_reward
 from lit_cancel.tasks import Record
 
 ENDINGS = ("done", "turn_limit", "turn_cut", "episode_cut")
@@ -76,7 +76,7 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
     turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
 
-    ``policy`` is a :class:`~lit_cancel.producer.RolloutPolicy`; ``make_environment`` makes one environment per
+    ``policy`` is a :class:`~lit_cancel.rounds.producer.RolloutPolicy`; ``make_environment`` makes one environment per
     episode; ``where(i)`` names record ``i`` in the messages of a failing environment. Rows are ordered as
     ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
     transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave

@@ -18,8 +18,8 @@ from lit_cancel.agents.episodes import EpisodeLimits, run_episodes
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import from_trl_factory
 from lit_cancel.engines import RolloutEngine
-from lit_cancel.generation import Generation
 from lit_cancel.hub import load_tokenizer
+from lit_cancel.rounds.sample import Generation
 from lit_cancel.tasks import Record, Task
 
 Demonstration = list[tuple[str, str]]

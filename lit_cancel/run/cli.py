@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.float32_products import emulates_bf16
-from lit_cancel.rollouts import RewardError, check_reward
+from lit_cancel.rounds.score import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
 from lit_cancel.run.checks import check_checkpoint
 from lit_cancel.run.errors import ConfigError, RunError, config_file_problem, explain

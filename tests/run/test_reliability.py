@@ -14,7 +14,7 @@ import torch
 
 from lit_cancel import GRPO, AdditionTask, DFPOMin, RLModule, RolloutDataModule, Shuffled
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.rollouts import RewardError, score
+from lit_cancel.rounds.score import RewardError, score
 from lit_cancel.run.cli import run_cli
 from lit_cancel.run.errors import ConfigError
 

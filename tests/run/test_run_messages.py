@@ -20,7 +20,7 @@ from test_run_safety import console, saved_step
 from transformers import AutoTokenizer
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule
-from lit_cancel.round_warnings import WARN_EVERY_N_ROUNDS
+from lit_cancel.rounds.statistics import WARN_EVERY_N_ROUNDS
 from lit_cancel.run import commands
 
 CONFIGS = Path(__file__).parents[2] / "configs"

@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from lit_cancel import PRESETS, AdditionTask, Generation, RLModule, RolloutDataModule
-from lit_cancel.generation import encode_completions
+from lit_cancel.rounds.sample import encode_completions
 from lit_cancel.sharding import transformer_blocks
 
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.objectives.audit import shared_positions
 from lit_cancel.objectives.trust_regions import TrustRegion
-from lit_cancel.plans import MiniBatchPlan
+from lit_cancel.rounds.plans import MiniBatchPlan
 from lit_cancel.tasks import SCAFFOLD_TEXT
 
 

@@ -8,10 +8,10 @@ import torch
 
 from lit_cancel import AdditionTask, DecodeLoop
 from lit_cancel.engines import PolicyWeights, Sampled, SamplingOptions
-from lit_cancel.generation import Generation, encode_completions
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.objectives.advantages import MeanCentred
-from lit_cancel.producer import Processes, RolloutProducer
+from lit_cancel.rounds.producer import Processes, RolloutProducer
+from lit_cancel.rounds.sample import Generation, encode_completions
 from lit_cancel.sharding import ModelRoot
 
 

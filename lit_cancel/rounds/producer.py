@@ -3,7 +3,7 @@
 For each draw of prompts it asks the policy's engine for ``group_size`` completions of each (an engine that samples
 ahead of the trainer is first asked for the next draws, with weights at most ``max_staleness`` rounds old), scores them,
 turns rewards into advantages over each whole group, and records the log-probs the objective needs
-(:func:`lit_cancel.rollouts.sample_groups`, one draw top to bottom). With dynamic sampling (DAPO) it draws again until
+(:func:`lit_cancel.rounds.score.sample_groups`, one draw top to bottom). With dynamic sampling (DAPO) it draws again until
 enough groups have a reward difference. What it hands on is the round's rows and statistics; which rows meet in which
 optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business.
 """
@@ -26,9 +26,9 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.engines.base import in_background
-from lit_cancel.generation import Generation
-from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
-from lit_cancel.round_warnings import CannotLearnWarnings
+from lit_cancel.rounds.sample import Generation
+from lit_cancel.rounds.score import encode_prompts, round_stats, sample_groups, staleness_stats
+from lit_cancel.rounds.statistics import CannotLearnWarnings
 from lit_cancel.tasks import Record, Task
 
 

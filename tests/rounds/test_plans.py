@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lit_cancel import QueryPreserved, RewardBalanced, RolloutBatch, Shuffled
-from lit_cancel.plans import groups_split
+from lit_cancel.rounds.plans import groups_split
 
 
 def pool(rewards: list[list[float]], sampled_round: int = 0, first_group: int = 0) -> RolloutBatch:

@@ -2,7 +2,7 @@
 -> RolloutBatch.
 
 Plain functions of the policy (which holds the tokenizer, ``rollout()`` and the reference model), the
-objective's advantage estimator, the prompt records and the task. :class:`~lit_cancel.producer.RolloutProducer`
+objective's advantage estimator, the prompt records and the task. :class:`~lit_cancel.rounds.producer.RolloutProducer`
 decides which prompts each draw takes, and ``RolloutDataModule`` how a round is cut into optimizer steps; validation
 scores its samples with :func:`accuracy_terms`.
 """
@@ -128,12 +128,12 @@ def sample_groups(
     """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
     pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
 
-    ``policy`` is a :class:`~lit_cancel.producer.RolloutPolicy`; ``advantages`` turns rewards ``[groups, group_size]``
+    ``policy`` is a :class:`~lit_cancel.rounds.producer.RolloutPolicy`; ``advantages`` turns rewards ``[groups, group_size]``
     into advantages of the same shape. Sampling is seeded by ``seed`` without touching the global random state. Rows
     ``i * G .. i * G + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
     old and reference log-probs run in the trainer's precision context, as the training step does,
     so that the step's first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the
-    background (:meth:`~lit_cancel.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
+    background (:meth:`~lit_cancel.rounds.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
     """
     started = time.perf_counter()
     if sampled_ahead is not None:
