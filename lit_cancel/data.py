@@ -12,7 +12,7 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.exports import EXPORTS
 from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
 from lit_cancel.rounds.producer import Processes, RolloutProducer
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"

@@ -58,7 +58,7 @@ class Task(ABC):
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
                 greedy: bool = False) -> Generation:
-        """``num_samples`` rollouts of each of ``records`` by ``policy`` (a :class:`~lit_cancel.rounds.producer.RolloutPolicy`),
+        """``num_samples`` rollouts of each of ``records`` by ``policy`` (a :class:`~lit_cancel.rounds.sample.RolloutPolicy`),
         whose prompts ``input_ids`` holds left-padded: here one
         completion each by ``policy.rollout``; an :class:`~lit_cancel.agents.AgentTask` runs an episode of several
         turns against its environment instead."""

@@ -27,7 +27,7 @@ def agent_episodes(module, seed: int = 0):
     checked as every engine must give them: some call the tool and then answer, and the tool's replies, which the policy
     mask leaves out, carry no sampler log-prob."""
     from lit_cancel.agents import ToolAdditionTask
-    from lit_cancel.rounds.score import encode_prompts
+    from lit_cancel.rounds.sample import encode_prompts
 
     task = ToolAdditionTask(train_size=16, val_size=2)
     records = task.train_records()[:4]

@@ -24,7 +24,7 @@ import torch
 from conftest import save_tiny_model
 
 from lit_cancel import AdditionTask, LoRA, RLModule, RolloutDataModule
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs"

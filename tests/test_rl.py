@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 
 def small_task():

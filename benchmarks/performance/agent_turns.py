@@ -19,7 +19,7 @@ import torch
 from lit_cancel import RLModule
 from lit_cancel.agents import ToolAdditionTask
 from lit_cancel.engines import DecodeLoop
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 
 class PrefillEachTurn(DecodeLoop):

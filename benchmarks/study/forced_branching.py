@@ -221,7 +221,7 @@ class PreambleDrift(Callback):
             return pl_module.next_token_logprobs(input_ids, attention_mask, positions).float()
 
     def on_train_start(self, trainer, pl_module) -> None:
-        from lit_cancel.rounds.score import encode_prompts
+        from lit_cancel.rounds.sample import encode_prompts
 
         tokens = self.preamble_tokens
         if tokens is None:
@@ -274,7 +274,8 @@ def measure(model_path: str, scaffold: int, spread: int, preamble_tokens: int, p
     """Forced-branching groups of ``prompts`` training problems, from ``model_path`` at the knob setting: the preamble's
     mean token probability, the share of groups with mixed rewards, the shared prefix, the completion lengths."""
     from lit_cancel import RLModule, ScaffoldedAdditionTask
-    from lit_cancel.rounds.score import correctness, encode_prompts, score
+    from lit_cancel.rounds.sample import encode_prompts
+    from lit_cancel.rounds.score import correctness, score
 
     task = ScaffoldedAdditionTask(scaffold=scaffold, spread=spread, train_size=20000, val_size=200)
     engine = ForcedBranching(preamble_tokens)

@@ -76,7 +76,7 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
     turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
 
-    ``policy`` is a :class:`~lit_cancel.rounds.producer.RolloutPolicy`; ``make_environment`` makes one environment per
+    ``policy`` is a :class:`~lit_cancel.rounds.sample.RolloutPolicy`; ``make_environment`` makes one environment per
     episode; ``where(i)`` names record ``i`` in the messages of a failing environment. Rows are ordered as
     ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
     transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave

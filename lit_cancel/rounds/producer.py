@@ -1,68 +1,33 @@
 """The rollout producer: it owns a round's rollouts, from the prompts each draw takes to the scored, advantaged rows.
 
-For each draw of prompts it asks the policy's engine for ``group_size`` completions of each (an engine that samples
-ahead of the trainer is first asked for the next draws, with weights at most ``max_staleness`` rounds old), scores them,
-turns rewards into advantages over each whole group, and records the log-probs the objective needs
-(:func:`lit_cancel.rounds.score.sample_groups`, one draw top to bottom). With dynamic sampling (DAPO) it draws again until
-enough groups have a reward difference. What it hands on is the round's rows and statistics; which rows meet in which
-optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business.
+For each draw of prompts it runs the stages of :mod:`lit_cancel.rounds` (:meth:`RolloutProducer.sample_draw`, one draw
+top to bottom): the draw's prompts (:mod:`.draw`), ``group_size`` completions of each by the policy's engine
+(:mod:`.sample`; an engine that samples ahead of the trainer is first asked for the next draws, with weights at most
+``max_staleness`` rounds old), their rewards and correctness (:mod:`.score`), advantages over each whole group and the
+log-probs the objective needs (:mod:`.advantages`). With dynamic sampling (DAPO) it draws again until enough groups have
+a reward difference. What it hands on is the round's rows and statistics (:mod:`.statistics`); which rows meet in which
+optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business (:mod:`.plans`).
 """
 
 import concurrent.futures
-import copy
-import functools
 import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.engines import PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
+from lit_cancel.engines import SampleRequest
 from lit_cancel.engines.base import in_background
-from lit_cancel.rounds.sample import Generation
-from lit_cancel.rounds.score import encode_prompts, round_stats, sample_groups, staleness_stats
-from lit_cancel.rounds.statistics import CannotLearnWarnings
+from lit_cancel.rounds.advantages import advantaged_rows
+from lit_cancel.rounds.draw import draw_records
+from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, sample_groups
+from lit_cancel.rounds.score import score_groups
+from lit_cancel.rounds.statistics import CannotLearnWarnings, round_stats, staleness_stats
 from lit_cancel.tasks import Record, Task
-
-
-class RolloutPolicy(Protocol):
-    """What the producer needs of the policy it samples (:class:`~lit_cancel.PolicyModule` is one)."""
-
-    tokenizer: PreTrainedTokenizerBase
-    stop_token_ids: list[int]
-    engine: RolloutEngine
-    device: torch.device
-
-    def sampling_options(self) -> SamplingOptions:
-        """How the engine samples."""
-
-    def policy_weights(self) -> PolicyWeights:
-        """The policy as the engine sees it."""
-
-    def precision_context(self) -> AbstractContextManager:
-        """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
-
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
-        """Completions of left-padded prompts, sampled by the engine with the current weights, each at most
-        ``max_new_tokens`` long (the policy's own limit when None; an agent's episode sets each turn's); ``keep_engine``:
-        more calls follow at once (an agent's turns), released by :meth:`release_engine` after the last."""
-
-    def release_engine(self) -> None:
-        """Lets the engine release what it kept through calls made with ``keep_engine``."""
-
-    def sync_engine(self) -> float:
-        """Gives the engine the current weights where it holds older ones; returns the seconds it took."""
-
-    def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
-        """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +80,8 @@ class RolloutProducer:
         self.cannot_learn = CannotLearnWarnings()
 
     def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
-        """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
-        records = self.task.train_records()
-        per_rank = self.prompts_per_round // world
-        first = draw * self.prompts_per_round + rank * per_rank
-        picked = []
-        for position in range(first, first + per_rank):
-            epoch, index = divmod(position, len(records))
-            picked.append(records[_permutation(len(records), self.seed + epoch)[index]])
-        return picked
+        """The prompts of draw ``draw`` for process ``rank`` (:func:`~lit_cancel.rounds.draw.draw_records`)."""
+        return draw_records(self.task.train_records(), draw, self.prompts_per_round, rank, world, self.seed)
 
     def seed_of(self, rank: int, *keys: int) -> int:
         """A seed for ``keys`` (a draw, a round) on process ``rank``, from the producer's seed."""
@@ -160,8 +118,9 @@ class RolloutProducer:
 
     def sample_draw(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
                     with_old_logprobs: bool) -> tuple[RolloutBatch, float, float, dict[str, float]]:
-        """Samples and scores the next draw of prompts; returns the rollouts, the seconds spent sampling and syncing the
-        engine, and the engine's statistics. An engine that samples ahead is first asked for the draws after it."""
+        """Runs the next draw of prompts through the stages (draw, sample, score, advantages); returns its rows, the seconds
+        spent sampling and syncing the engine, and the engine's statistics. An engine that samples ahead is first asked
+        for the draws after it."""
         draw = self.prompt_draws
         # the engine gets the weights of this round before draws wait for them
         ahead, synced = self.ahead.pop(draw, None), 0.0
@@ -170,13 +129,14 @@ class RolloutProducer:
         for later in range(draw + 1, draw + 1 + policy.engine.max_staleness):
             self.prefetch(policy, processes, later, rounds_ahead=later - draw)
         records = self.draw_records(draw, processes.rank, processes.world)
-        batch, seconds, sync_seconds, stats = sample_groups(
-            policy, advantages, self.task, records, self.group_size, seed=self.seed_of(processes.rank, draw),
-            first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
-            with_old_logprobs=with_old_logprobs, sampled_ahead=ahead,
-        )
+        generation, seconds = sample_groups(policy, self.task.rollout, records, self.group_size, self.seed_of(processes.rank, draw),
+                                            sampled_ahead=ahead)
+        rewards, correct = score_groups(self.task, records, self.group_size, generation)
+        batch = advantaged_rows(policy, advantages, generation, rewards, correct, self.group_size,
+                                first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
+                                with_old_logprobs=with_old_logprobs)
         self.prompt_draws += 1
-        return batch, seconds, sync_seconds + synced, stats
+        return batch, seconds - generation.sync_seconds, generation.sync_seconds + synced, generation.stats
 
     def prefetch(self, policy: RolloutPolicy, processes: Processes, draw: int, rounds_ahead: int) -> None:
         """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
@@ -201,42 +161,3 @@ class RolloutProducer:
         self.stopping.set()
         concurrent.futures.wait(list(self.ahead.values()), timeout=seconds)
         self.ahead, self.stopping = {}, threading.Event()
-
-
-class RolloutsStopped(RuntimeError):
-    """Rollouts sampled ahead were stopped: the producer no longer wants them."""
-
-
-class AheadPolicy:
-    """The policy as a task's rollouts sampled ahead of the trainer, in a background thread, see it: each call is
-    sampled by the engine with the weights it holds of optimizer step ``oldest_step`` or later, waiting for them but
-    never pushing (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`), each row's step recorded; seeds come from
-    ``rng``, not torch's generator, which training uses meanwhile. It decodes with its own copy of the tokenizer, and
-    raises :class:`RolloutsStopped` at a call once ``stopping`` is set.
-    """
-
-    def __init__(self, policy: RolloutPolicy, oldest_step: int, rng: random.Random, stopping: threading.Event) -> None:
-        self.engine, self.oldest_step, self.rng, self.stopping = policy.engine, oldest_step, rng, stopping
-        self.tokenizer = copy.deepcopy(policy.tokenizer)
-        self.stop_token_ids = list(policy.stop_token_ids)
-        self.options = policy.sampling_options()
-
-    def sampling_options(self) -> SamplingOptions:
-        return self.options
-
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
-        if self.stopping.is_set():
-            raise RolloutsStopped("the producer stopped the rollouts it sampled ahead")
-        options = self.options if max_new_tokens is None else replace(self.options, max_new_tokens=max_new_tokens)
-        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy)
-        sampled = self.engine.sample_ahead(request, self.oldest_step, self.rng.randrange(2**30))
-        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, 0.0, self.stop_token_ids)
-
-    def release_engine(self) -> None:
-        return None
-
-
-@functools.lru_cache(maxsize=4)
-def _permutation(size: int, seed: int) -> list[int]:
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()

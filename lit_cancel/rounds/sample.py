@@ -1,13 +1,25 @@
-"""What a rollout engine's samples become: token ids cut at their first stop token, masks, texts and the sampler's log-probs."""
+"""The sample stage: a draw's completions, from the policy's engine, sampled when the round asks for them or ahead of it.
 
-from collections.abc import Sequence
+A task's ``rollout`` asks the policy (a :class:`RolloutPolicy`) for completions; what the engine samples becomes a
+:class:`Generation`: token ids cut at their first stop token, masks, texts and the sampler's log-probs. Rollouts sampled
+ahead of the trainer, in a background thread, see the policy as an :class:`AheadPolicy`.
+"""
+
+import copy
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.engines import Sampled
+from lit_cancel.engines import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
 
 
 def stop_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -100,3 +112,97 @@ def padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, Te
         columns = slice(width - len(piece), width) if left else slice(0, len(piece))
         ids[row, columns], mask[row, columns] = torch.tensor(piece, dtype=torch.long), 1
     return ids, mask
+
+
+class RolloutPolicy(Protocol):
+    """What the producer needs of the policy it samples (:class:`~lit_cancel.PolicyModule` is one)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: list[int]
+    engine: RolloutEngine
+    device: torch.device
+
+    def sampling_options(self) -> SamplingOptions:
+        """How the engine samples."""
+
+    def policy_weights(self) -> PolicyWeights:
+        """The policy as the engine sees it."""
+
+    def precision_context(self) -> AbstractContextManager:
+        """The trainer's precision context, in which rollouts and their log-probs are computed as the training step's."""
+
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
+        """Completions of left-padded prompts, sampled by the engine with the current weights, each at most
+        ``max_new_tokens`` long (the policy's own limit when None; an agent's episode sets each turn's); ``keep_engine``:
+        more calls follow at once (an agent's turns), released by :meth:`release_engine` after the last."""
+
+    def release_engine(self) -> None:
+        """Lets the engine release what it kept through calls made with ``keep_engine``."""
+
+    def sync_engine(self) -> float:
+        """Gives the engine the current weights where it holds older ones; returns the seconds it took."""
+
+    def score_rollouts(self, generation: Generation, with_old_logprobs: bool) -> tuple[Tensor | None, Tensor | None]:
+        """``(old_logprobs, ref_logprobs)`` of fresh completions; None where the objective needs none."""
+
+
+class RolloutsStopped(RuntimeError):
+    """Rollouts sampled ahead were stopped: the producer no longer wants them."""
+
+
+class AheadPolicy:
+    """The policy as a task's rollouts sampled ahead of the trainer, in a background thread, see it: each call is
+    sampled by the engine with the weights it holds of optimizer step ``oldest_step`` or later, waiting for them but
+    never pushing (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`), each row's step recorded; seeds come from
+    ``rng``, not torch's generator, which training uses meanwhile. It decodes with its own copy of the tokenizer, and
+    raises :class:`RolloutsStopped` at a call once ``stopping`` is set.
+    """
+
+    def __init__(self, policy: RolloutPolicy, oldest_step: int, rng: random.Random, stopping: threading.Event) -> None:
+        self.engine, self.oldest_step, self.rng, self.stopping = policy.engine, oldest_step, rng, stopping
+        self.tokenizer = copy.deepcopy(policy.tokenizer)
+        self.stop_token_ids = list(policy.stop_token_ids)
+        self.options = policy.sampling_options()
+
+    def sampling_options(self) -> SamplingOptions:
+        return self.options
+
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
+        if self.stopping.is_set():
+            raise RolloutsStopped("the producer stopped the rollouts it sampled ahead")
+        options = self.options if max_new_tokens is None else replace(self.options, max_new_tokens=max_new_tokens)
+        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy)
+        sampled = self.engine.sample_ahead(request, self.oldest_step, self.rng.randrange(2**30))
+        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, 0.0, self.stop_token_ids)
+
+    def release_engine(self) -> None:
+        return None
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> dict:
+    """Left-padded prompt ids and mask of ``records``, and the records themselves."""
+    encoded = tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True)
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
+
+
+def sample_groups(policy: RolloutPolicy, rollout: Callable[..., Generation], records: list[dict], group_size: int, seed: int,
+                  sampled_ahead: Future | None = None) -> tuple[Generation, float]:
+    """``group_size`` rollouts of each of ``records`` by ``rollout`` (the task's), and the seconds spent sampling them.
+
+    Rows ``i * G .. i * G + G - 1`` are the group of ``records[i]``. Sampling is seeded by ``seed`` without touching the
+    global random state, and runs in the trainer's precision context, as the training step does, so that the step's
+    first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the background
+    (:meth:`~lit_cancel.rounds.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
+    """
+    started = time.perf_counter()
+    if sampled_ahead is not None:
+        generation = sampled_ahead.result().to(policy.device)
+    else:
+        prompts = encode_prompts(policy.tokenizer, records)
+        with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
+            torch.manual_seed(seed)
+            generation = rollout(policy, records, prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device),
+                                 group_size)
+    return generation, time.perf_counter() - started

@@ -1,35 +1,23 @@
-"""One draw of rollouts, top to bottom: prompts -> completions -> rewards (and correctness) -> advantages -> log-probs
--> RolloutBatch.
+"""The score stage: each completion's reward and correctness by the task, checked.
 
-Plain functions of the policy (which holds the tokenizer, ``rollout()`` and the reference model), the
-objective's advantage estimator, the prompt records and the task. :class:`~lit_cancel.rounds.producer.RolloutProducer`
-decides which prompts each draw takes, and ``RolloutDataModule`` how a round is cut into optimizer steps; validation
-scores its samples with :func:`accuracy_terms`.
+A task's ``reward`` must return a finite number and its ``correct`` a bool or None; anything else, or a call that raises,
+is a :class:`RewardError` naming the prompt and the completion. :func:`check_reward` calls both once at start-up;
+validation scores its samples with :func:`accuracy_terms`.
 """
 
 import math
 import numbers
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.batch import RolloutBatch
+from lit_cancel.rounds.sample import Generation
 from lit_cancel.tasks import Record, Task
 
 
 class RewardError(RuntimeError):
     """A task's reward function raised on a completion, or returned something that is not a finite number; or its
     ``correct`` raised, or returned something other than a bool or None."""
-
-
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[Record]) -> dict:
-    """Left-padded prompt ids and mask of ``records``, and the records themselves."""
-    encoded = tokenizer([r["prompt"] for r in records], return_tensors="pt", padding=True)
-    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
 
 
 def checked_reward(reward: object, source: str, where: str) -> float:
@@ -121,118 +109,8 @@ def check_reward(task: Task) -> None:
         raise RewardError(f"{error} (checked at start-up: {expected})") from error
 
 
-def sample_groups(
-    policy, advantages: Callable[[Tensor], Tensor], task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int,
-    round_index: int, with_old_logprobs: bool, sampled_ahead: Future | None = None,
-) -> tuple[RolloutBatch, float, float, dict[str, float]]:
-    """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
-    pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
-
-    ``policy`` is a :class:`~lit_cancel.rounds.producer.RolloutPolicy`; ``advantages`` turns rewards ``[groups, group_size]``
-    into advantages of the same shape. Sampling is seeded by ``seed`` without touching the global random state. Rows
-    ``i * G .. i * G + G - 1`` are the group of ``records[i]``, numbered ``first_group + i``. Generation and the
-    old and reference log-probs run in the trainer's precision context, as the training step does,
-    so that the step's first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the
-    background (:meth:`~lit_cancel.rounds.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
-    """
-    started = time.perf_counter()
-    if sampled_ahead is not None:
-        generation = sampled_ahead.result().to(policy.device)
-    else:
-        prompts = encode_prompts(policy.tokenizer, records)
-        with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
-            torch.manual_seed(seed)
-            generation = task.rollout(policy, records, prompts["input_ids"].to(policy.device),
-                                      prompts["attention_mask"].to(policy.device), group_size)
-    seconds = time.perf_counter() - started
-
-    repeated = [r for r in records for _ in range(group_size)]
-    rewards = score(task, repeated, generation.texts, generation.rewards)
-    correct = correctness(task, repeated, generation.texts)
-    advantage = advantages(rewards.view(len(records), group_size)).reshape(-1)
-    with policy.precision_context():
-        old_logprobs, ref_logprobs = policy.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
-
-    device = generation.input_ids.device
-    batch = RolloutBatch(
-        input_ids=generation.input_ids,
-        attention_mask=generation.attention_mask,
-        completion_mask=generation.completion_mask,
-        prompt_length=generation.prompt_length,
-        rewards=rewards.to(device),
-        advantages=advantage.to(device),
-        group_ids=torch.arange(first_group, first_group + len(records), device=device).repeat_interleave(group_size),
-        sampled_round=torch.full((len(records) * group_size,), round_index, device=device),
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sampler_logprobs=generation.sampler_logprobs,
-        sampler_steps=None if generation.sampler_steps is None else generation.sampler_steps.to(device),
-        correct=correct.to(device),
-    )
-    return batch, seconds - generation.sync_seconds, generation.sync_seconds, generation.stats
-
-
-def staleness_stats(batch: RolloutBatch, step: int, steps_per_round: int, max_staleness: int) -> dict[str, float]:
-    """``rollout/staleness`` (mean) and ``rollout/staleness_max``: rounds between the weights that sampled ``batch``'s
-    rows and the round that trains them, which starts at optimizer step ``step``; nothing for rollouts sampled by
-    the weights being trained. A row more than ``max_staleness`` rounds behind raises RuntimeError: the engine's
-    admission control should have kept it from being sampled."""
-    if batch.sampler_steps is None:
-        return {}
-    behind = (step - batch.sampler_steps.float()) / steps_per_round
-    if behind.max() > max_staleness or behind.min() < 0:
-        raise RuntimeError(
-            f"rollouts sampled by the weights of steps {sorted(set(batch.sampler_steps.tolist()))} reached the round that "
-            f"starts at step {step}, outside the {max_staleness} rounds of staleness allowed"
-        )
-    return {"rollout/staleness": behind.mean().item(), "rollout/staleness_max": behind.max().item()}
-
-
-def round_stats(
-    sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float, stop_token_ids: Sequence[int]
-) -> dict[str, float]:
-    """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
-
-    ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
-    completion whose last token is not one of ``stop_token_ids`` was cut at ``max_new_tokens`` (an agent's episode
-    whose last turn was cut, at its turn or episode token limit). A statistic of
-    no rollout is left out: ``rollout/reward_truncated`` of a round without a cut completion,
-    ``rollout/reward_finished`` of one where every completion was cut, ``rollout/reward_correct_corr``
-    of one whose rewards or correctness are all equal or whose task cannot tell correctness.
-    """
-    rewards = sampled.rewards.view(-1, group_size)
-    flat = sampled.rewards.float()
-    lengths = sampled.completion_mask.sum(1).float()
-    completions = sampled.input_ids[:, sampled.prompt_length :]
-    stops = torch.tensor(list(stop_token_ids), device=completions.device)
-    # a completion ends at its last policy token: in an agent's episode, the last turn's, whatever earlier turns did
-    policy = sampled.completion_mask.bool()
-    last = torch.where(policy, torch.arange(policy.shape[1], device=policy.device), -1).max(1).values
-    ended = (last >= 0) & torch.isin(completions.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1), stops)
-    told = sampled.correct if sampled.correct is not None else torch.full_like(flat, math.nan)
-    correct = torch.where(told.isnan(), (flat > 0).float(), told.float())
-    stats = {
-        "rollout/reward_mean": rewards.mean().item(),
-        "rollout/accuracy": correct.mean().item(),
-        "rollout/completion_len": lengths.mean().item(),
-        "rollout/frac_truncated": (~ended).float().mean().item(),
-        "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
-        "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
-        "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
-        "perf/weight_sync_s": sync_seconds,
-    }
-    if ended.any():
-        stats["rollout/reward_finished"] = flat[ended].mean().item()
-    if not ended.all():
-        stats["rollout/reward_truncated"] = flat[~ended].mean().item()
-    known = ~told.isnan()
-    if (correlation := pearson(flat[known], told[known].float())) is not None:
-        stats["rollout/reward_correct_corr"] = correlation
-    return stats
-
-
-def pearson(x: Tensor, y: Tensor) -> float | None:
-    """The Pearson correlation of ``x`` and ``y``; None when either holds one value only (or nothing)."""
-    if len(x) < 2 or (x == x[0]).all() or (y == y[0]).all():
-        return None
-    return torch.corrcoef(torch.stack([x, y]).double())[0, 1].item()
+def score_groups(task: Task, records: list[Record], group_size: int, generation: Generation) -> tuple[Tensor, Tensor]:
+    """``(rewards, correct)`` of ``generation``'s rows, ``group_size`` completions of each of ``records`` in turn: the
+    rewards by :func:`score` (those the rollouts already have kept), correctness by :func:`correctness`."""
+    repeated = [record for record in records for _ in range(group_size)]
+    return score(task, repeated, generation.texts, generation.rewards), correctness(task, repeated, generation.texts)

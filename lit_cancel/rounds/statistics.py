@@ -1,13 +1,83 @@
-"""Warnings of what keeps a round from teaching the policy anything, from its first round on (the run doctor,
-``lit_cancel.callbacks.RunDoctor``, judges trends once a run has logged a few steps)."""
+"""The statistics stage: what a round's rollouts logged (``rollout/...``, ``perf/...``), and warnings of what keeps a round
+from teaching the policy anything, from its first round on (the run doctor, ``lit_cancel.callbacks.RunDoctor``, judges
+trends once a run has logged a few steps)."""
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lit_cancel.batch import RolloutBatch
 from lit_cancel.sharding import total_norm
+
+
+def round_stats(
+    sampled: RolloutBatch, kept: int, group_size: int, seconds: float, sync_seconds: float, stop_token_ids: Sequence[int]
+) -> dict[str, float]:
+    """``rollout/...`` statistics of every rollout sampled in a round, of which the first ``kept`` are trained.
+
+    ``seconds`` were spent sampling, ``sync_seconds`` pushing the policy's weights to the engine; a
+    completion whose last token is not one of ``stop_token_ids`` was cut at ``max_new_tokens`` (an agent's episode
+    whose last turn was cut, at its turn or episode token limit). A statistic of
+    no rollout is left out: ``rollout/reward_truncated`` of a round without a cut completion,
+    ``rollout/reward_finished`` of one where every completion was cut, ``rollout/reward_correct_corr``
+    of one whose rewards or correctness are all equal or whose task cannot tell correctness.
+    """
+    rewards = sampled.rewards.view(-1, group_size)
+    flat = sampled.rewards.float()
+    lengths = sampled.completion_mask.sum(1).float()
+    completions = sampled.input_ids[:, sampled.prompt_length :]
+    stops = torch.tensor(list(stop_token_ids), device=completions.device)
+    # a completion ends at its last policy token: in an agent's episode, the last turn's, whatever earlier turns did
+    policy = sampled.completion_mask.bool()
+    last = torch.where(policy, torch.arange(policy.shape[1], device=policy.device), -1).max(1).values
+    ended = (last >= 0) & torch.isin(completions.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1), stops)
+    told = sampled.correct if sampled.correct is not None else torch.full_like(flat, math.nan)
+    correct = torch.where(told.isnan(), (flat > 0).float(), told.float())
+    stats = {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/accuracy": correct.mean().item(),
+        "rollout/completion_len": lengths.mean().item(),
+        "rollout/frac_truncated": (~ended).float().mean().item(),
+        "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+        "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
+        "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+        "perf/weight_sync_s": sync_seconds,
+    }
+    if ended.any():
+        stats["rollout/reward_finished"] = flat[ended].mean().item()
+    if not ended.all():
+        stats["rollout/reward_truncated"] = flat[~ended].mean().item()
+    known = ~told.isnan()
+    if (correlation := pearson(flat[known], told[known].float())) is not None:
+        stats["rollout/reward_correct_corr"] = correlation
+    return stats
+
+
+def pearson(x: Tensor, y: Tensor) -> float | None:
+    """The Pearson correlation of ``x`` and ``y``; None when either holds one value only (or nothing)."""
+    if len(x) < 2 or (x == x[0]).all() or (y == y[0]).all():
+        return None
+    return torch.corrcoef(torch.stack([x, y]).double())[0, 1].item()
+
+
+def staleness_stats(batch: RolloutBatch, step: int, steps_per_round: int, max_staleness: int) -> dict[str, float]:
+    """``rollout/staleness`` (mean) and ``rollout/staleness_max``: rounds between the weights that sampled ``batch``'s
+    rows and the round that trains them, which starts at optimizer step ``step``; nothing for rollouts sampled by
+    the weights being trained. A row more than ``max_staleness`` rounds behind raises RuntimeError: the engine's
+    admission control should have kept it from being sampled."""
+    if batch.sampler_steps is None:
+        return {}
+    behind = (step - batch.sampler_steps.float()) / steps_per_round
+    if behind.max() > max_staleness or behind.min() < 0:
+        raise RuntimeError(
+            f"rollouts sampled by the weights of steps {sorted(set(batch.sampler_steps.tolist()))} reached the round that "
+            f"starts at step {step}, outside the {max_staleness} rounds of staleness allowed"
+        )
+    return {"rollout/staleness": behind.mean().item(), "rollout/staleness_max": behind.max().item()}
+
 
 # a condition under which a run cannot learn is warned about at its first round and every this many rounds while it lasts
 WARN_EVERY_N_ROUNDS = 10

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_cancel import GRPO, RLModule, RolloutDataModule
 from lit_cancel.agents import ToolAdditionTask
 from lit_cancel.engines import DecodeLoop, HFGenerate
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 
 def greedy_episodes(engine):

@@ -23,8 +23,7 @@ from lit_cancel.agents import (
 from lit_cancel.agents.episodes import EpisodeLimits
 from lit_cancel.engines import Sampled
 from lit_cancel.hub import load_tokenizer
-from lit_cancel.rounds.sample import Generation
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import Generation, encode_prompts
 from lit_cancel.sft import SFTDataModule
 from lit_cancel.tasks import AdditionTask
 

@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from lit_cancel import AdditionTask, RewardError, RLModule, RolloutBatch, RolloutDataModule
-from lit_cancel.rounds.score import accuracy_terms, check_reward, correctness, round_stats
+from lit_cancel.rounds.score import accuracy_terms, check_reward, correctness
+from lit_cancel.rounds.statistics import round_stats
 from lit_cancel.tasks import Task
 
 STOP = 9

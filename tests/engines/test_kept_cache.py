@@ -13,8 +13,7 @@ from lit_cancel.engines import DecodeLoop, SampleRequest
 from lit_cancel.engines.decode_loop import logits_processors, sample_completions
 from lit_cancel.engines.kept_cache import KeptCache
 from lit_cancel.logprobs import position_ids_from_mask
-from lit_cancel.rounds.sample import padded
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts, padded
 
 
 class Turns(DecodeLoop):

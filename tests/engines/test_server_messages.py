@@ -8,7 +8,7 @@ from lit_cancel import RLModule, VLLMServerEngine
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result
 from lit_cancel.engines.server_process import free_port
-from lit_cancel.rounds.score import staleness_stats
+from lit_cancel.rounds.statistics import staleness_stats
 
 OPTIONS = ServerSampling(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), extra=(("top_k", 5),))
 REQUEST = RolloutRequest(prompt_ids=(5, 6, 7), num_samples=2, options=OPTIONS, seed=11, oldest_step=4)

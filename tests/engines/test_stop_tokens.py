@@ -19,7 +19,7 @@ from lit_cancel.engines import SampleRequest
 from lit_cancel.engines.vllm_servers import group_requests
 from lit_cancel.hub import ASSETS
 from lit_cancel.rounds.sample import stop_token_ids
-from lit_cancel.rounds.score import round_stats
+from lit_cancel.rounds.statistics import round_stats
 from lit_cancel.tokenizer import build_char_tokenizer
 
 PROMPTS = ["123+456=", "999+101=", "505+505=", "78+9="]

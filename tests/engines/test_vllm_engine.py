@@ -29,7 +29,7 @@ from test_engines import fit  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
 from lit_cancel.engines.vllm_common import log_level_option  # noqa: E402
-from lit_cancel.rounds.score import encode_prompts  # noqa: E402
+from lit_cancel.rounds.sample import encode_prompts  # noqa: E402
 from lit_cancel.run import commands  # noqa: E402
 from lit_cancel.run.cli import run_cli  # noqa: E402
 

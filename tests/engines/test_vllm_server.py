@@ -48,7 +48,7 @@ from lit_cancel.engines.server_process import (  # noqa: E402
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
 from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
 from lit_cancel.hub import resolve_model_path  # noqa: E402
-from lit_cancel.rounds.score import encode_prompts  # noqa: E402
+from lit_cancel.rounds.sample import encode_prompts  # noqa: E402
 
 CONFIG = Path(__file__).parents[2] / "configs" / "quickstart-server.yaml"
 PROMPTS = ["12+34=", "105+207=", "999+1=", "450+450="]

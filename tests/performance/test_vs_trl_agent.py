@@ -11,8 +11,7 @@ from vs_trl import AGENT_MODEL, AdditionCalculator, agent_task, colon_chat_token
 from lit_cancel.agents import ColonCalls, ToolAdditionTask, ToolCall, ToolResult
 from lit_cancel.engines import Sampled
 from lit_cancel.hub import resolve_model_path
-from lit_cancel.rounds.sample import Generation
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import Generation, encode_prompts
 
 TOKENIZER = colon_chat_tokenizer(str(resolve_model_path(AGENT_MODEL)))
 

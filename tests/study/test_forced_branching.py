@@ -19,7 +19,7 @@ from lit_cancel.engines import RolloutEngine, Sampled, SampleRequest, SamplingOp
 from lit_cancel.objectives.audit import credits, learning_tax
 from lit_cancel.objectives.audit import shared_positions as audit_shared_positions
 from lit_cancel.objectives.presets import PRESETS
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "benchmarks" / "study"

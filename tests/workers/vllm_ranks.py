@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lit_cancel import RLModule, VLLMEngine
-from lit_cancel.rounds.score import encode_prompts
+from lit_cancel.rounds.sample import encode_prompts
 
 WORK = {0: (3, ["12+34=", "105+207=", "999+1=", "450+450="], 2, 40), 1: (1, ["7+8="], 1, 4)}
 
