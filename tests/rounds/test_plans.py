@@ -1,7 +1,8 @@
 import pytest
 import torch
+from jsonargparse import ArgumentParser
 
-from lit_cancel import QueryPreserved, RewardBalanced, RolloutBatch, Shuffled
+from lit_cancel import MiniBatchPlan, QueryPreserved, RewardBalanced, RolloutBatch, Shuffled
 from lit_cancel.rounds.plans import groups_split
 
 
@@ -106,3 +107,14 @@ def test_reward_balanced_fallback_when_a_class_is_absent():
 def test_plan_options_are_checked(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("class_path", ["lit_cancel.RewardBalanced", "lit_cancel.rounds.plans.RewardBalanced",
+                                        "lit_cancel.plans.RewardBalanced"])
+def test_a_config_names_a_plan_by_its_public_name_its_module_or_the_module_it_was_defined_in_before(class_path):
+    parser = ArgumentParser()
+    parser.add_argument("--plan", type=MiniBatchPlan)
+    config = parser.parse_args([f'--plan={{"class_path": "{class_path}", "init_args": {{"positive_share": 0.25}}}}'])
+    plan = parser.instantiate_classes(config).plan
+    assert type(plan) is RewardBalanced and plan.positive_share == 0.25
+
