@@ -13,6 +13,7 @@ from lit_cancel.exports import EXPORTS
 from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
 from lit_cancel.rounds.producer import Processes, RolloutProducer
 from lit_cancel.rounds.sample import encode_prompts
+from lit_cancel.rounds.staleness import Staleness
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
@@ -164,8 +165,8 @@ class RolloutDataModule(TaskDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         self.check_sizes(world, accumulation, fitting=stage == "fit", objective=self._objective())
-        if self.trainer is not None and isinstance(self.task, AgentTask):
-            self.task.check_engine(getattr(self.trainer.lightning_module, "engine", None))
+        if self.trainer is not None and (engine := getattr(self.trainer.lightning_module, "engine", None)) is not None:
+            Staleness(engine, self.steps_per_round).check_task(self.task)
         if stage == "fit" and self.trainer is not None:
             self.check_prompt_lengths(self.trainer.lightning_module)
 

@@ -17,7 +17,6 @@ from lit_cancel.agents.environment import Environment
 from lit_cancel.agents.episodes import EpisodeLimits, run_episodes
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import from_trl_factory
-from lit_cancel.engines import RolloutEngine
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.rounds.sample import Generation
 from lit_cancel.tasks import Record, Task
@@ -48,18 +47,6 @@ class AgentTask(Task):
         """One episode that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn
         is trained and closed by EOS, observations are not); the task's first solution as one turn by default."""
         return [(self.solutions(record)[0], "")]
-
-    def check_engine(self, engine: object) -> None:
-        """Raises ValueError when ``engine`` samples ahead of the trainer (``max_staleness`` > 0) but cannot sample an
-        episode's turns ahead (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`): the producer runs such episodes
-        in the background, each turn sampled by the weights the engine then holds."""
-        staleness = getattr(engine, "max_staleness", 0)
-        if staleness > 0 and type(engine).sample_ahead is RolloutEngine.sample_ahead:
-            raise ValueError(
-                f"{type(self).__name__} runs episodes turn by turn, which {type(engine).__name__} cannot sample ahead of the "
-                f"trainer (model.init_args.engine has max_staleness={staleness}); set max_staleness: 0, or use "
-                "lit_cancel.VLLMServerEngine"
-            )
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
                 greedy: bool = False) -> Generation:

@@ -5,6 +5,8 @@
 * :mod:`.draw`: which prompts each draw takes (seeded permutations, sliced per process);
 * :mod:`.sample`: the policy's completions of a draw (:class:`~lit_cancel.rounds.sample.Generation`), sampled now or
   ahead of the trainer;
+* :mod:`.staleness`: how far sampling may run ahead of training (:class:`~lit_cancel.rounds.staleness.Staleness`, the one
+  reader of the engine's ``max_staleness``);
 * :mod:`.score`: rewards and correctness by the task (:class:`~lit_cancel.rounds.score.RewardError` for a reward
   function that fails);
 * :mod:`.advantages`: what the objective needs of a draw: each whole group's advantages, the old and reference

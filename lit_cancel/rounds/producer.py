@@ -2,8 +2,8 @@
 
 For each draw of prompts it runs the stages of :mod:`lit_cancel.rounds` (:meth:`RolloutProducer.sample_draw`, one draw
 top to bottom): the draw's prompts (:mod:`.draw`), ``group_size`` completions of each by the policy's engine
-(:mod:`.sample`; an engine that samples ahead of the trainer is first asked for the next draws, with weights at most
-``max_staleness`` rounds old), their rewards and correctness (:mod:`.score`), advantages over each whole group and the
+(:mod:`.sample`; an engine that samples ahead of the trainer is first asked for the next draws, with weights as old as
+:mod:`.staleness` allows), their rewards and correctness (:mod:`.score`), advantages over each whole group and the
 log-probs the objective needs (:mod:`.advantages`). With dynamic sampling (DAPO) it draws again until enough groups have
 a reward difference. What it hands on is the round's rows and statistics (:mod:`.statistics`); which rows meet in which
 optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business (:mod:`.plans`).
@@ -26,7 +26,8 @@ from lit_cancel.rounds.advantages import advantaged_rows
 from lit_cancel.rounds.draw import draw_records
 from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, sample_groups
 from lit_cancel.rounds.score import score_groups
-from lit_cancel.rounds.statistics import CannotLearnWarnings, round_stats, staleness_stats
+from lit_cancel.rounds.staleness import Staleness
+from lit_cancel.rounds.statistics import CannotLearnWarnings, round_stats
 from lit_cancel.tasks import Record, Task
 
 
@@ -92,9 +93,10 @@ class RolloutProducer:
         """This process's groups of round ``round_index``, after dynamic sampling when it is on, and the round's
         statistics (``rollout/...``, ``perf/...``)."""
         groups_needed = self.prompts_per_round // processes.world
+        staleness = Staleness(policy.engine, self.steps_per_round)
         informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
         for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent, synced, drawn_stats = self.sample_draw(policy, advantages, processes, round_index, with_old_logprobs)
+            draw, spent, synced, drawn_stats = self.sample_draw(policy, advantages, processes, round_index, with_old_logprobs, staleness)
             seconds, sync_seconds = seconds + spent, sync_seconds + synced
             engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
             flat = draw.rewards.view(-1, self.group_size)
@@ -111,13 +113,13 @@ class RolloutProducer:
         rows = groups_needed * self.group_size
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, policy.stop_token_ids)
-        stats |= engine_stats | staleness_stats(kept, processes.step(), self.steps_per_round, policy.engine.max_staleness)
+        stats |= engine_stats | staleness.check(kept, processes.step())
         self.cannot_learn.warn(policy.policy_weights().model.parameters(), policy.sampling_options().max_new_tokens, stats,
                                round_index + 1)
         return kept, stats
 
     def sample_draw(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
-                    with_old_logprobs: bool) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+                    with_old_logprobs: bool, staleness: Staleness) -> tuple[RolloutBatch, float, float, dict[str, float]]:
         """Runs the next draw of prompts through the stages (draw, sample, score, advantages); returns its rows, the seconds
         spent sampling and syncing the engine, and the engine's statistics. An engine that samples ahead is first asked
         for the draws after it."""
@@ -126,8 +128,8 @@ class RolloutProducer:
         ahead, synced = self.ahead.pop(draw, None), 0.0
         if ahead is not None:
             synced = policy.sync_engine()
-        for later in range(draw + 1, draw + 1 + policy.engine.max_staleness):
-            self.prefetch(policy, processes, later, rounds_ahead=later - draw)
+        for later in staleness.later_draws(draw):
+            self.prefetch(policy, processes, later, staleness.oldest_step(processes.step(), rounds_ahead=later - draw))
         records = self.draw_records(draw, processes.rank, processes.world)
         generation, seconds = sample_groups(policy, self.task.rollout, records, self.group_size, self.seed_of(processes.rank, draw),
                                             sampled_ahead=ahead)
@@ -138,17 +140,14 @@ class RolloutProducer:
         self.prompt_draws += 1
         return batch, seconds - generation.sync_seconds, generation.sync_seconds + synced, generation.stats
 
-    def prefetch(self, policy: RolloutPolicy, processes: Processes, draw: int, rounds_ahead: int) -> None:
-        """Has the engine start sampling draw ``draw`` with weights of the round at most ``max_staleness`` rounds
-        before the one that trains it; that round is at most ``rounds_ahead`` after this one (a round takes one
-        draw or more)."""
-        engine = policy.engine
+    def prefetch(self, policy: RolloutPolicy, processes: Processes, draw: int, oldest_step: int) -> None:
+        """Has the engine start sampling draw ``draw`` with weights of optimizer step ``oldest_step`` or later
+        (:meth:`Staleness.oldest_step`)."""
         records = self.draw_records(draw, processes.rank, processes.world)
         prompts = encode_prompts(policy.tokenizer, records)
-        oldest_step = max(processes.step() + (rounds_ahead - engine.max_staleness) * self.steps_per_round, 0)
         if type(self.task).rollout is Task.rollout:
             request = SampleRequest(prompts["input_ids"], prompts["attention_mask"], self.group_size, policy.sampling_options())
-            engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), oldest_step)
+            policy.engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), oldest_step)
         elif draw not in self.ahead:
             # a task that calls the engine several times (an agent's turns, the environment answering between them)
             ahead = AheadPolicy(policy, oldest_step, random.Random(self.seed_of(processes.rank, draw)), self.stopping)

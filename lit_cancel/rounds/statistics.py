@@ -63,22 +63,6 @@ def pearson(x: Tensor, y: Tensor) -> float | None:
     return torch.corrcoef(torch.stack([x, y]).double())[0, 1].item()
 
 
-def staleness_stats(batch: RolloutBatch, step: int, steps_per_round: int, max_staleness: int) -> dict[str, float]:
-    """``rollout/staleness`` (mean) and ``rollout/staleness_max``: rounds between the weights that sampled ``batch``'s
-    rows and the round that trains them, which starts at optimizer step ``step``; nothing for rollouts sampled by
-    the weights being trained. A row more than ``max_staleness`` rounds behind raises RuntimeError: the engine's
-    admission control should have kept it from being sampled."""
-    if batch.sampler_steps is None:
-        return {}
-    behind = (step - batch.sampler_steps.float()) / steps_per_round
-    if behind.max() > max_staleness or behind.min() < 0:
-        raise RuntimeError(
-            f"rollouts sampled by the weights of steps {sorted(set(batch.sampler_steps.tolist()))} reached the round that "
-            f"starts at step {step}, outside the {max_staleness} rounds of staleness allowed"
-        )
-    return {"rollout/staleness": behind.mean().item(), "rollout/staleness_max": behind.max().item()}
-
-
 # a condition under which a run cannot learn is warned about at its first round and every this many rounds while it lasts
 WARN_EVERY_N_ROUNDS = 10
 # the weight norm is "exploding" above this multiple of its value at the first round

@@ -2,13 +2,10 @@
 
 
 import pytest
-import torch
 
 from lit_cancel import RLModule, VLLMServerEngine
-from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result
 from lit_cancel.engines.server_process import free_port
-from lit_cancel.rounds.statistics import staleness_stats
 
 OPTIONS = ServerSampling(temperature=0.7, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), extra=(("top_k", 5),))
 REQUEST = RolloutRequest(prompt_ids=(5, 6, 7), num_samples=2, options=OPTIONS, seed=11, oldest_step=4)
@@ -56,19 +53,6 @@ def test_a_group_from_weights_that_are_mixed_unknown_loading_or_too_old_is_refus
 def test_a_response_with_fewer_completions_than_asked_is_refused():
     with pytest.raises(StaleRolloutError, match="returned 1 completions for a request of 2"):
         parse_result({"choices": [choice(0, [8, 1], [("run/2", 0, 2)])]}, REQUEST, {"run/2": 5}, "http://s")
-
-
-def test_staleness_counts_rounds_and_refuses_what_admission_control_should_have_kept_out():
-    batch = RolloutBatch(
-        input_ids=torch.zeros(4, 3, dtype=torch.long), attention_mask=torch.ones(4, 3, dtype=torch.long),
-        completion_mask=torch.ones(4, 2, dtype=torch.long), prompt_length=1, rewards=torch.zeros(4),
-        advantages=torch.zeros(4), group_ids=torch.tensor([0, 0, 1, 1]), sampler_steps=torch.tensor([6, 6, 8, 8]),
-    )
-    # rounds of two steps starting at step 8: groups sampled one round and zero rounds before
-    assert staleness_stats(batch, step=8, steps_per_round=2, max_staleness=1) == {"rollout/staleness": 0.5, "rollout/staleness_max": 1.0}
-    with pytest.raises(RuntimeError, match=r"steps \[6, 8\] reached the round that starts at step 10"):
-        staleness_stats(batch, step=10, steps_per_round=2, max_staleness=1)
-    assert staleness_stats(RolloutBatch(**{**batch.__dict__, "sampler_steps": None}), 8, 2, 0) == {}
 
 
 @pytest.mark.parametrize(("options", "message"), [
