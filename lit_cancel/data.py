@@ -7,7 +7,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.agents.task import AgentTask
 from lit_cancel.batch import RolloutBatch
 from lit_cancel.exports import EXPORTS
 from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
@@ -47,26 +46,12 @@ class TaskDataModule(L.LightningDataModule):
         return encode_prompts(self.tokenizer, records)
 
     def drift_probes(self, count: int) -> list[dict]:
-        """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``;
-        ValueError for an agent task, whose solutions are episodes with the environment's replies in them."""
-        if isinstance(self.task, AgentTask):
-            raise ValueError(
-                f"SolutionProbabilityDriftMonitor scores each solution as one completion, but {type(self.task).__name__}'s "
-                "are episodes whose environment replies it would score too: leave the monitor out of an agent run, or give "
-                "it probes=[...] of your own"
-            )
-        return [{"prompt": r["prompt"], "solutions": self.task.solutions(r)} for r in self.task.val_records()[:count]]
+        """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``: the
+        task's (:meth:`~lit_cancel.tasks.Task.drift_probes`)."""
+        return self.task.drift_probes(count)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
-
-
-def new_tokens_limit(task: Task, module: L.LightningModule) -> tuple[object, str, str]:
-    """``(tokens, name, option)``: how many tokens may follow a prompt, its name and the option that sets it: the
-    module's ``max_new_tokens``, or an agent task's ``max_episode_tokens``."""
-    if isinstance(task, AgentTask):
-        return task.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
-    return getattr(module, "max_new_tokens", None), "max_new_tokens", "model.init_args.max_new_tokens"
 
 
 class _NextMiniBatch:
@@ -185,7 +170,7 @@ class RolloutDataModule(TaskDataModule):
             f"the engine's {ENGINE_MAX_MODEL_LEN}": getattr(getattr(module, "engine", None), "max_model_len", None),
         }
         limits = {name: value for name, value in limits.items() if isinstance(value, int)}
-        max_new_tokens, name, option = new_tokens_limit(self.task, module)
+        max_new_tokens, name, option = self.task.new_tokens_limit(getattr(module, "max_new_tokens", None))
         if not limits or not isinstance(max_new_tokens, int):
             return
         limit = min(limits, key=limits.__getitem__)

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lit_cancel.agents.task import AgentTask
 from lit_cancel.data import TaskDataModule
 from lit_cancel.module import PolicyModule
 from lit_cancel.sharding import is_sharded
@@ -29,9 +28,7 @@ class _Solutions(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Record, list[tuple[str, str]]]:
         record, rng = self.records[index], random.Random(self.seed * 1_000_003 + index)
-        if isinstance(self.task, AgentTask):
-            return record, self.task.demonstration(record, rng)
-        return record, [(rng.choice(self.task.solutions(record)), "")]
+        return record, self.task.demonstration(record, rng)
 
 
 class SFTDataModule(TaskDataModule):

@@ -30,7 +30,15 @@ class Task(ABC):
     correctness over its rollouts (not logged when either is the same for every rollout): a low value says the reward
     does not follow correctness. Where it cannot tell (``correct`` returns None, the default), ``rollout/accuracy``
     is the share of rewards above 0 and ``val/accuracy`` the mean reward.
+
+    Attributes:
+        rollout_in_one_call: :meth:`rollout` asks the policy for all its completions in one call, which an engine that
+            samples ahead of the trainer can take in advance (:meth:`~lit_cancel.engines.RolloutEngine.prefetch`); a
+            task whose rollout calls the policy several times (an :class:`~lit_cancel.agents.AgentTask`'s turns) sets it
+            False, and its rollouts ahead of the trainer run in a background thread instead.
     """
+
+    rollout_in_one_call: bool = True
 
     @abstractmethod
     def train_records(self) -> list[Record]:
@@ -55,6 +63,21 @@ class Task(ABC):
     def record_source(self, split: str, index: int) -> str:
         """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
         return f"{split} record {index}"
+
+    def demonstration(self, record: Record, rng: random.Random) -> list[tuple[str, str]]:
+        """A rollout that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn is
+        trained and closed by EOS, observations are not): here one of the task's solutions, drawn by ``rng``, as one turn."""
+        return [(rng.choice(self.solutions(record)), "")]
+
+    def new_tokens_limit(self, max_new_tokens: int | None) -> tuple[int | None, str, str]:
+        """``(tokens, name, option)``: how many tokens may follow a prompt, its name and the option that sets it; here a
+        completion's, the policy module's ``max_new_tokens``."""
+        return max_new_tokens, "max_new_tokens", "model.init_args.max_new_tokens"
+
+    def drift_probes(self, count: int) -> list[dict]:
+        """Up to ``count`` held-out prompts with their reference solutions, each one completion of its prompt, for
+        ``SolutionProbabilityDriftMonitor``."""
+        return [{"prompt": r["prompt"], "solutions": self.solutions(r)} for r in self.val_records()[:count]]
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
                 greedy: bool = False) -> Generation:

@@ -36,6 +36,8 @@ class AgentTask(Task):
     does not; :meth:`demonstrations` (episodes that succeed) are what a supervised warm-up trains on.
     """
 
+    rollout_in_one_call = False  # the policy is asked once per turn, the environment answering between turns
+
     def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512) -> None:
         self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens)
 
@@ -47,6 +49,17 @@ class AgentTask(Task):
         """One episode that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn
         is trained and closed by EOS, observations are not); the task's first solution as one turn by default."""
         return [(self.solutions(record)[0], "")]
+
+    def new_tokens_limit(self, max_new_tokens: int | None) -> tuple[int | None, str, str]:
+        return self.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
+
+    def drift_probes(self, count: int) -> list[dict]:
+        """ValueError: an agent task's solutions are episodes with the environment's replies in them."""
+        raise ValueError(
+            f"SolutionProbabilityDriftMonitor scores each solution as one completion, but {type(self).__name__}'s "
+            "are episodes whose environment replies it would score too: leave the monitor out of an agent run, or give "
+            "it probes=[...] of your own"
+        )
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
                 greedy: bool = False) -> Generation:

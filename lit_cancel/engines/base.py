@@ -153,11 +153,14 @@ class RolloutEngine(ABC):
             with autocast off (:meth:`context`). False: it runs the policy, in the trainer's precision context.
         max_staleness: rounds of rollouts the engine may sample ahead of the trainer, with weights up to that many
             rounds old (:meth:`prefetch`); 0: every round is sampled by the weights it trains.
+        can_sample_ahead: the engine implements :meth:`sample_ahead`, so that, sampling ahead, it takes the calls of a
+            rollout that asks for several (an agent's turns), not only a draw's single completions (:meth:`prefetch`).
     """
 
     supported_options: frozenset[str] | None = None
     holds_weights: bool = False
     max_staleness: int = 0
+    can_sample_ahead: bool = False
 
     @contextmanager
     def context(self, device: torch.device) -> Iterator[None]:

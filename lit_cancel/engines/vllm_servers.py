@@ -346,6 +346,8 @@ class VLLMServerEngine(RolloutEngine):
             stats["rollout/queue_depth"] = float(queued)
         return completions_of(request, results, stats)
 
+    can_sample_ahead = True
+
     def sample_ahead(self, request: SampleRequest, oldest_step: int, first_seed: int) -> Sampled:
         results, server_wait = self._draw(group_requests(request, oldest_step, first_seed))
         return completions_of(request, results, {"perf/server_wait_s": server_wait})

@@ -145,7 +145,7 @@ class RolloutProducer:
         (:meth:`Staleness.oldest_step`)."""
         records = self.draw_records(draw, processes.rank, processes.world)
         prompts = encode_prompts(policy.tokenizer, records)
-        if type(self.task).rollout is Task.rollout:
+        if self.task.rollout_in_one_call:
             request = SampleRequest(prompts["input_ids"], prompts["attention_mask"], self.group_size, policy.sampling_options())
             policy.engine.prefetch(policy.policy_weights(), request, self.seed_of(processes.rank, draw), oldest_step)
         elif draw not in self.ahead:

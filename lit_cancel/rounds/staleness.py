@@ -53,7 +53,7 @@ class Staleness:
         task whose rollout calls the engine several times (an agent's turns) is run ahead in the background, each call
         sampled by the weights the engine then holds (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`)."""
         engine = self.engine
-        if self.max_staleness > 0 and type(task).rollout is not Task.rollout and type(engine).sample_ahead is RolloutEngine.sample_ahead:
+        if self.max_staleness > 0 and not task.rollout_in_one_call and not engine.can_sample_ahead:
             raise ValueError(
                 f"{type(task).__name__} runs episodes turn by turn, which {type(engine).__name__} cannot sample ahead of the "
                 f"trainer (model.init_args.engine has max_staleness={self.max_staleness}); set max_staleness: 0, or use "

@@ -25,6 +25,7 @@ class Snapshots(DecodeLoop):
 
     max_staleness = 1
     holds_weights = True
+    can_sample_ahead = True
 
     def __init__(self):
         self.held: PolicyWeights | None = None

@@ -76,3 +76,50 @@ def test_dynamic_sampling_draws_again_until_enough_groups_have_a_reward_differen
     first, second = rounds.draw_records(0, 0, 1), rounds.draw_records(1, 0, 1)
     prompts = policy.tokenizer.batch_decode(batch.input_ids[:, : batch.prompt_length], skip_special_tokens=True)
     assert prompts == [first[1]["prompt"]] * 2 + [second[0]["prompt"]] * 2
+
+
+class OneCall(AdditionTask):
+    """A rollout of its own that asks the policy once, as :class:`Task`'s does."""
+
+    def rollout(self, policy, records, input_ids, attention_mask, num_samples=1, greedy=False):
+        return policy.rollout(input_ids, attention_mask, num_samples, greedy)
+
+
+class TwoCalls(AdditionTask):
+    """A rollout that asks the policy twice (as an agent asks once a turn), not an ``AgentTask``."""
+
+    rollout_in_one_call = False
+
+    def rollout(self, policy, records, input_ids, attention_mask, num_samples=1, greedy=False):
+        policy.rollout(input_ids, attention_mask, num_samples, greedy)
+        return policy.rollout(input_ids, attention_mask, num_samples, greedy)
+
+
+class AheadEngine(DecodeLoop):
+    """Samples ahead, recording each call: a draw's single completions (``prefetch``), or a rollout's calls (``sample_ahead``)."""
+
+    max_staleness, can_sample_ahead = 1, True
+
+    def __init__(self):
+        self.calls = []
+
+    def prefetch(self, policy, request, seed, oldest_step):
+        self.calls.append(("prefetch", oldest_step))
+
+    def sample_ahead(self, request, oldest_step, first_seed):
+        self.calls.append(("sample_ahead", oldest_step))
+        completions = torch.full((len(request.input_ids) * request.num_samples, 1), request.options.stop_token_ids[0])
+        return Sampled(torch.cat([request.input_ids.repeat_interleave(request.num_samples, 0), completions], 1))
+
+
+@pytest.mark.parametrize(("task_class", "calls"), [(OneCall, ["prefetch"]), (TwoCalls, ["sample_ahead"] * 2)])
+def test_a_draw_is_sampled_ahead_as_the_task_declares_its_rollout_whatever_its_class(task_class, calls):
+    policy = ScriptedPolicy([])
+    policy.engine = AheadEngine()
+    rounds = RolloutProducer(task_class(num_digits=2, train_size=16, val_size=4), prompts_per_round=2, group_size=2,
+                             steps_per_round=1, seed=3)
+    rounds.prefetch(policy, ONE_PROCESS, draw=1, oldest_step=5)
+    if rounds.ahead:
+        assert rounds.ahead.pop(1).result().texts == [""] * 4
+    assert policy.engine.calls == [(call, 5) for call in calls]
+

@@ -13,6 +13,8 @@ class Ahead(DecodeLoop):
 
 
 class TurnsAhead(Ahead):
+    can_sample_ahead = True
+
     def sample_ahead(self, request, oldest_step, first_seed):
         return self.sample(None, request)
 
