@@ -137,7 +137,10 @@ class RolloutDataModule(TaskDataModule):
         self.mini_batches_per_round, self.epochs_per_round = mini_batches_per_round, epochs_per_round
         self.dynamic_sampling, self.max_prompt_draws, self.seed = dynamic_sampling, max_prompt_draws, seed
         self.allow_resume_changes = allow_resume_changes
-        self.producer = RolloutProducer(task, prompts_per_round, group_size, self.steps_per_round, dynamic_sampling, max_prompt_draws, seed)
+        # steps after a round's first are off-policy: they need the log-probs recorded at rollout time
+        off_policy = mini_batches_per_round > 1 or epochs_per_round > 1 or self.plan.carries_rollouts
+        self.producer = RolloutProducer(task, prompts_per_round, group_size, self.steps_per_round, dynamic_sampling, max_prompt_draws, seed,
+                                        with_old_logprobs=off_policy)
         # the room for prompts (context minus max_new_tokens) that every prompt was found to fit in
         self.prompts_fit_in: int | None = None
         self.rounds_done = 0
@@ -233,10 +236,7 @@ class RolloutDataModule(TaskDataModule):
     def make_round(self) -> list[RolloutBatch]:
         """Samples one round with the current policy and plans its micro-batches."""
         steps_per_epoch = self.mini_batches_per_round
-        off_policy = steps_per_epoch > 1 or self.epochs_per_round > 1 or self.plan.carries_rollouts
-        module = self.trainer.lightning_module
-        fresh, stats = self.producer.sample_round(module, module.objective.advantages, Processes.of(self.trainer), self.rounds_done,
-                                                  with_old_logprobs=off_policy)
+        fresh, stats = self.producer.sample_round(self.trainer.lightning_module, Processes.of(self.trainer), self.rounds_done)
         pool = fresh if self.waiting is None else RolloutBatch.concat([self.waiting.to(fresh.input_ids.device), fresh])
         generator = torch.Generator().manual_seed(self.producer.seed_of(self.trainer.global_rank, self.rounds_done, -1))
         selection = self.plan.select(pool, len(fresh), self.rounds_done, generator)

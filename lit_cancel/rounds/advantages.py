@@ -5,8 +5,6 @@ optimizer steps), and the old and reference log-probs the objective needs are co
 context, as the training step computes its own.
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -14,13 +12,14 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.rounds.sample import Generation, RolloutPolicy
 
 
-def advantaged_rows(policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], generation: Generation, rewards: Tensor,
-                    correct: Tensor, group_size: int, first_group: int, round_index: int, with_old_logprobs: bool) -> RolloutBatch:
+def advantaged_rows(policy: RolloutPolicy, generation: Generation, rewards: Tensor, correct: Tensor, group_size: int,
+                    first_group: int, round_index: int, with_old_logprobs: bool) -> RolloutBatch:
     """``generation``'s rows, ``group_size`` completions of each group in turn, with their ``rewards`` and ``correct``ness,
-    as a :class:`RolloutBatch`: ``advantages`` turns rewards ``[groups, group_size]`` into advantages of the same shape;
-    the groups are numbered from ``first_group``, sampled in round ``round_index``."""
+    as a :class:`RolloutBatch`: the advantages by ``policy.objective`` over each group's rewards, the reference
+    log-probs where the objective has a KL term, the old log-probs ``with_old_logprobs``; the groups are numbered from
+    ``first_group``, sampled in round ``round_index``."""
     groups = len(rewards) // group_size
-    advantage = advantages(rewards.view(groups, group_size)).reshape(-1)
+    advantage = policy.objective.advantages(rewards.view(groups, group_size)).reshape(-1)
     with policy.precision_context():
         old_logprobs, ref_logprobs = policy.score_rollouts(generation, with_old_logprobs=with_old_logprobs)
 

@@ -65,15 +65,17 @@ class RolloutProducer:
         dynamic_sampling: drop groups whose rewards are all equal and draw more prompts.
         max_prompt_draws: draws per round at most, with dynamic sampling.
         seed: seed of the prompt order and of the sampling.
+        with_old_logprobs: record the log-probs of the policy that sampled the rollouts, which the objective needs where
+            a round's steps go off-policy (several steps a round, or rollouts that wait for a later round).
 
     The counter :attr:`prompt_draws` (draws made so far) is the state a resumed run restores.
     """
 
     def __init__(self, task: Task, prompts_per_round: int, group_size: int, steps_per_round: int, dynamic_sampling: bool = False,
-                 max_prompt_draws: int = 4, seed: int = 0) -> None:
+                 max_prompt_draws: int = 4, seed: int = 0, with_old_logprobs: bool = False) -> None:
         self.task, self.prompts_per_round, self.group_size = task, prompts_per_round, group_size
         self.steps_per_round, self.dynamic_sampling, self.max_prompt_draws = steps_per_round, dynamic_sampling, max_prompt_draws
-        self.seed = seed
+        self.seed, self.with_old_logprobs = seed, with_old_logprobs
         self.prompt_draws = 0
         # draws whose rollouts a task of several engine calls (an agent's episodes) runs ahead, in the background
         self.ahead: dict[int, Future] = {}
@@ -88,15 +90,14 @@ class RolloutProducer:
         """A seed for ``keys`` (a draw, a round) on process ``rank``, from the producer's seed."""
         return hash((self.seed, *keys, rank)) % 2**63
 
-    def sample_round(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
-                     with_old_logprobs: bool) -> tuple[RolloutBatch, dict[str, float]]:
+    def sample_round(self, policy: RolloutPolicy, processes: Processes, round_index: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This process's groups of round ``round_index``, after dynamic sampling when it is on, and the round's
         statistics (``rollout/...``, ``perf/...``)."""
         groups_needed = self.prompts_per_round // processes.world
         staleness = Staleness(policy.engine, self.steps_per_round)
         informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
         for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent, synced, drawn_stats = self.sample_draw(policy, advantages, processes, round_index, with_old_logprobs, staleness)
+            draw, spent, synced, drawn_stats = self.sample_draw(policy, processes, round_index, staleness)
             seconds, sync_seconds = seconds + spent, sync_seconds + synced
             engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
             flat = draw.rewards.view(-1, self.group_size)
@@ -118,8 +119,8 @@ class RolloutProducer:
                                round_index + 1)
         return kept, stats
 
-    def sample_draw(self, policy: RolloutPolicy, advantages: Callable[[Tensor], Tensor], processes: Processes, round_index: int,
-                    with_old_logprobs: bool, staleness: Staleness) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+    def sample_draw(self, policy: RolloutPolicy, processes: Processes, round_index: int,
+                    staleness: Staleness) -> tuple[RolloutBatch, float, float, dict[str, float]]:
         """Runs the next draw of prompts through the stages (draw, sample, score, advantages); returns its rows, the seconds
         spent sampling and syncing the engine, and the engine's statistics. An engine that samples ahead is first asked
         for the draws after it."""
@@ -134,9 +135,9 @@ class RolloutProducer:
         generation, seconds = sample_groups(policy, self.task.rollout, records, self.group_size, self.seed_of(processes.rank, draw),
                                             sampled_ahead=ahead)
         rewards, correct = score_groups(self.task, records, self.group_size, generation)
-        batch = advantaged_rows(policy, advantages, generation, rewards, correct, self.group_size,
+        batch = advantaged_rows(policy, generation, rewards, correct, self.group_size,
                                 first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
-                                with_old_logprobs=with_old_logprobs)
+                                with_old_logprobs=self.with_old_logprobs)
         self.prompt_draws += 1
         return batch, seconds - generation.sync_seconds, generation.sync_seconds + synced, generation.stats
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.engines import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.objectives import Objective
 
 
 def stop_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -115,12 +116,15 @@ def padded(pieces: list[list[int]], pad_id: int, left: bool) -> tuple[Tensor, Te
 
 
 class RolloutPolicy(Protocol):
-    """What the producer needs of the policy it samples (:class:`~lit_cancel.PolicyModule` is one)."""
+    """What the producer needs of the policy it samples (:class:`~lit_cancel.RLModule` is one): its tokenizer, stop
+    tokens, engine and device, the objective whose advantage estimator turns each group's rewards into advantages, and
+    the calls below."""
 
     tokenizer: PreTrainedTokenizerBase
     stop_token_ids: list[int]
     engine: RolloutEngine
     device: torch.device
+    objective: Objective
 
     def sampling_options(self) -> SamplingOptions:
         """How the engine samples."""

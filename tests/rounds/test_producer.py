@@ -6,7 +6,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from lit_cancel import AdditionTask, DecodeLoop
+from lit_cancel import AdditionTask, DecodeLoop, PolicyGradient
 from lit_cancel.engines import PolicyWeights, Sampled, SamplingOptions
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.objectives.advantages import MeanCentred
@@ -25,6 +25,7 @@ class ScriptedPolicy:
         self.device = torch.device("cpu")
         self.scripts, self.prompts = list(scripts), []
         self.root = ModelRoot(torch.nn.Linear(2, 2))
+        self.objective = PolicyGradient(advantage=MeanCentred())
 
     def sampling_options(self) -> SamplingOptions:
         return SamplingOptions(1.0, 1.0, 8, tuple(self.stop_token_ids), self.tokenizer.pad_token_id)
@@ -57,7 +58,7 @@ def producer(**kwargs) -> RolloutProducer:
 def test_a_round_is_rewarded_and_advantaged_over_each_whole_group():
     policy = ScriptedPolicy([["1", "1", "0", "0", "1", "0", "0", "0"]])
     rounds = producer(prompts_per_round=2, group_size=4, steps_per_round=1)
-    batch, stats = rounds.sample_round(policy, MeanCentred(), ONE_PROCESS, round_index=0, with_old_logprobs=False)
+    batch, stats = rounds.sample_round(policy, ONE_PROCESS, round_index=0)
     assert batch.rewards.tolist() == [1, 1, 0, 0, 1, 0, 0, 0]
     # each group's rewards minus the group's mean: 1/2 in the first, 1/4 in the second
     assert batch.advantages.tolist() == [0.5, 0.5, -0.5, -0.5, 0.75, -0.25, -0.25, -0.25]
@@ -70,7 +71,7 @@ def test_dynamic_sampling_draws_again_until_enough_groups_have_a_reward_differen
     # draw 0: the first group all "1" (no signal), the second mixed; draw 1: the first group mixed, the second all "0"
     policy = ScriptedPolicy([["1", "1", "1", "0"], ["0", "1", "0", "0"], ["1", "0", "1", "0"]])
     rounds = producer(prompts_per_round=2, group_size=2, steps_per_round=1, dynamic_sampling=True, max_prompt_draws=3)
-    batch, stats = rounds.sample_round(policy, MeanCentred(), ONE_PROCESS, round_index=0, with_old_logprobs=False)
+    batch, stats = rounds.sample_round(policy, ONE_PROCESS, round_index=0)
     assert rounds.prompt_draws == 2 and len(policy.scripts) == 1  # two informative groups after two draws: no third
     assert batch.rewards.tolist() == [1, 0, 0, 1] and batch.advantages.tolist() == [0.5, -0.5, -0.5, 0.5]
     first, second = rounds.draw_records(0, 0, 1), rounds.draw_records(1, 0, 1)
