@@ -1,8 +1,6 @@
 """LightningModules: a policy that samples and is validated, and the RL module that trains it."""
 
 import copy
-from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import Literal
 
 import lightning as L
@@ -15,17 +13,17 @@ from transformers import GenerationConfig
 
 from lit_cancel.activation_checkpointing import AUTO, auto_checkpointing, mode_name, use_activation_checkpointing
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.engines import DecodeLoop, PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
+from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.float32_products import float32_products, wants_float32_products
-from lit_cancel.host_memory import bound_kernel_cache, release_free_heap
+from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.objectives.presets import GRPO
-from lit_cancel.rounds.sample import Generation, encode_completions, padded, stop_token_ids
+from lit_cancel.rounds.sample import Generation, PolicySampling, encode_completions, padded, stop_token_ids
 from lit_cancel.rounds.score import accuracy_terms
-from lit_cancel.sharding import ModelRoot, gathered, is_sharded, shard, total_norm
+from lit_cancel.sharding import ModelRoot, is_sharded, shard, total_norm
 
 _SET_ELSEWHERE = {
     "do_sample": "greedy or not is chosen per call", "max_new_tokens": "use max_new_tokens",
@@ -51,7 +49,7 @@ def _base_model_logprobs(model: nn.Module, *args) -> tuple[Tensor, Tensor]:
         return completion_logprobs(model, *args)
 
 
-class PolicyModule(L.LightningModule):
+class PolicyModule(L.LightningModule, PolicySampling):
     """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
 
     Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
@@ -63,7 +61,8 @@ class PolicyModule(L.LightningModule):
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
     Completions end at the first of ``self.stop_token_ids``: the tokenizer's EOS and every
-    ``eos_token_id`` of the model's generation config (:func:`~lit_cancel.rounds.sample.stop_token_ids`).
+    ``eos_token_id`` of the model's generation config (:func:`~lit_cancel.rounds.sample.stop_token_ids`). How it samples
+    with its engine (``rollout``, the engine's sync) is :class:`~lit_cancel.rounds.sample.PolicySampling`'s.
 
     Args:
         model_path: local Hugging Face model folder, or ``embedded:tiny-adder``.
@@ -167,57 +166,6 @@ class PolicyModule(L.LightningModule):
         self.lora = lora
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
 
-    @torch.no_grad()
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
-        """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token
-        or after ``max_new_tokens`` (the module's when None); with ``keep_engine`` more calls follow at once (an agent's
-        turns), and the engine may keep what it holds until :meth:`release_engine`."""
-        # the KV cache would otherwise come on top of the host memory the last training pass freed (host_memory.py)
-        release_free_heap()
-        was_training = self.policy.training
-        self.policy.eval()
-        policy = self.policy_weights()
-        validation = self._validating()
-        options = self.sampling_options()
-        if max_new_tokens is not None:
-            options = replace(options, max_new_tokens=max_new_tokens)
-        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, validation, keep_engine)
-        sync_seconds = self.sync_engine()
-        with gathered(self.policy), self.engine.context(self.device):
-            sampled = self.engine.sample(policy, request)
-        self.policy.train(was_training)
-
-        # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
-        sync_seconds += sampled.sync_seconds
-        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
-
-    def sync_engine(self) -> float:
-        """Gives the engine the current weights where it holds older ones; the seconds it took. A rollout does it first;
-        the producer also calls it before it collects rollouts sampled ahead, so that their engine gets each new version."""
-        if self.engine_version == self.weights_version:
-            return 0.0
-        with self.engine.context(self.device):
-            seconds = self.engine.sync(self.policy_weights())
-        self.engine_version = self.weights_version
-        return seconds
-
-    def sampling_options(self) -> SamplingOptions:
-        """How the engine samples: the module's temperature, top-p, completion length, stop tokens and generation options."""
-        return SamplingOptions(
-            self.temperature, self.top_p, self.max_new_tokens, tuple(self.stop_token_ids), self.tokenizer.pad_token_id,
-            self.generation_kwargs,
-        )
-
-    def policy_weights(self) -> PolicyWeights:
-        """The policy as the engine sees it: its model (through the root), tokenizer, optimizer steps and device."""
-        return PolicyWeights(self.policy, self.tokenizer, self.global_step, self.device)
-
-    def precision_context(self) -> AbstractContextManager:
-        """The trainer's precision context (autocast under ``bf16-mixed``), in which rollouts and their log-probs are
-        computed as the training step computes its own."""
-        return self.trainer.precision_plugin.forward_context()
-
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         """The backward pass in the forward pass's products (:mod:`lit_cancel.float32_products`)."""
         with float32_products(self.policy.float32_products):
@@ -282,16 +230,6 @@ class PolicyModule(L.LightningModule):
         if self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics(values, step=step)
-
-    def _validating(self) -> bool:
-        """Inside Lightning's validation loop, which ends with :meth:`on_validation_end`."""
-        return self._trainer is not None and (self.trainer.validating or self.trainer.sanity_checking)
-
-    def release_engine(self) -> None:
-        """Lets the engine release what it kept through calls made with ``keep_engine``; in a validation it keeps it until
-        the validation ends."""
-        if not self._validating():
-            self.engine.release()
 
     def on_validation_end(self) -> None:
         self.engine.release()

@@ -9,6 +9,7 @@ import copy
 import random
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.engines import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
+from lit_cancel.host_memory import release_free_heap
 from lit_cancel.objectives import Objective
+from lit_cancel.sharding import ModelRoot, gathered
 
 
 def stop_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -155,13 +158,123 @@ class RolloutsStopped(RuntimeError):
     """Rollouts sampled ahead were stopped: the producer no longer wants them."""
 
 
-class AheadPolicy:
+class Sampler(ABC):
+    """A policy as a task's rollout calls it: :meth:`rollout` puts each call to the engine as a :class:`SampleRequest`
+    and makes what comes back a :class:`Generation`; each kind of sampler says how a request is sampled (:meth:`sample`).
+
+    Attributes:
+        keeps_engine: calls made with ``keep_engine`` let the engine keep what it holds until :meth:`release_engine`.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: list[int]
+    keeps_engine: bool = True
+
+    @abstractmethod
+    def sampling_options(self) -> SamplingOptions:
+        """How the engine samples."""
+
+    @abstractmethod
+    def sample(self, request: SampleRequest) -> tuple[Sampled, float]:
+        """The engine's samples of ``request``, and the seconds spent pushing the policy's weights to it first."""
+
+    def validating(self) -> bool:
+        """The calls are a validation's (:attr:`SampleRequest.validation`)."""
+        return False
+
+    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
+                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
+        """Samples ``num_samples`` completions of each left-padded prompt with the engine, each ending at its first stop token
+        or after ``max_new_tokens`` (the policy's when None); with ``keep_engine`` more calls follow at once (an agent's
+        turns), and the engine may keep what it holds until :meth:`release_engine`."""
+        options = self.sampling_options()
+        if max_new_tokens is not None:
+            options = replace(options, max_new_tokens=max_new_tokens)
+        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy, self.validating(),
+                                keep_engine and self.keeps_engine)
+        sampled, sync_seconds = self.sample(request)
+        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, sync_seconds, self.stop_token_ids)
+
+    def release_engine(self) -> None:
+        """Lets the engine release what it kept through calls made with ``keep_engine``; nothing by default."""
+        return None
+
+
+class PolicySampling(Sampler):
+    """How a :class:`~lit_cancel.PolicyModule` samples: its engine, given the module's current weights where it holds older
+    ones, samples with the module's options, in the trainer's precision context; the engine keeps what it holds through a
+    validation, and through the turns of an agent's episodes."""
+
+    policy: ModelRoot
+    engine: RolloutEngine
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    generation_kwargs: dict
+    # optimizer steps and checkpoint loads change the weights (weights_version); the engine holds engine_version
+    weights_version: int
+    engine_version: int | None
+
+    @torch.no_grad()
+    def sample(self, request: SampleRequest) -> tuple[Sampled, float]:
+        # the KV cache would otherwise come on top of the host memory the last training pass freed (host_memory.py)
+        release_free_heap()
+        was_training = self.policy.training
+        self.policy.eval()
+        policy = self.policy_weights()
+        sync_seconds = self.sync_engine()
+        with gathered(self.policy), self.engine.context(self.device):
+            sampled = self.engine.sample(policy, request)
+        self.policy.train(was_training)
+        # an engine may push the weights again itself (VLLMEngine after a sleep that discarded them)
+        return sampled, sync_seconds + sampled.sync_seconds
+
+    def sync_engine(self) -> float:
+        """Gives the engine the current weights where it holds older ones; the seconds it took. A rollout does it first;
+        the producer also calls it before it collects rollouts sampled ahead, so that their engine gets each new version."""
+        if self.engine_version == self.weights_version:
+            return 0.0
+        with self.engine.context(self.device):
+            seconds = self.engine.sync(self.policy_weights())
+        self.engine_version = self.weights_version
+        return seconds
+
+    def sampling_options(self) -> SamplingOptions:
+        """How the engine samples: the module's temperature, top-p, completion length, stop tokens and generation options."""
+        return SamplingOptions(
+            self.temperature, self.top_p, self.max_new_tokens, tuple(self.stop_token_ids), self.tokenizer.pad_token_id,
+            self.generation_kwargs,
+        )
+
+    def policy_weights(self) -> PolicyWeights:
+        """The policy as the engine sees it: its model (through the root), tokenizer, optimizer steps and device."""
+        return PolicyWeights(self.policy, self.tokenizer, self.global_step, self.device)
+
+    def precision_context(self) -> AbstractContextManager:
+        """The trainer's precision context (autocast under ``bf16-mixed``), in which rollouts and their log-probs are
+        computed as the training step computes its own."""
+        return self.trainer.precision_plugin.forward_context()
+
+    def validating(self) -> bool:
+        """Inside Lightning's validation loop, which ends with ``on_validation_end``."""
+        return self._trainer is not None and (self.trainer.validating or self.trainer.sanity_checking)
+
+    def release_engine(self) -> None:
+        """Lets the engine release what it kept through calls made with ``keep_engine``; in a validation it keeps it until
+        the validation ends."""
+        if not self.validating():
+            self.engine.release()
+
+
+class AheadPolicy(Sampler):
     """The policy as a task's rollouts sampled ahead of the trainer, in a background thread, see it: each call is
     sampled by the engine with the weights it holds of optimizer step ``oldest_step`` or later, waiting for them but
-    never pushing (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`), each row's step recorded; seeds come from
-    ``rng``, not torch's generator, which training uses meanwhile. It decodes with its own copy of the tokenizer, and
-    raises :class:`RolloutsStopped` at a call once ``stopping`` is set.
+    never pushing (:meth:`~lit_cancel.engines.RolloutEngine.sample_ahead`), each row's step recorded, nothing kept
+    between calls; seeds come from ``rng``, not torch's generator, which training uses meanwhile. It decodes with its own
+    copy of the tokenizer, and raises :class:`RolloutsStopped` at a call once ``stopping`` is set.
     """
+
+    keeps_engine = False
 
     def __init__(self, policy: RolloutPolicy, oldest_step: int, rng: random.Random, stopping: threading.Event) -> None:
         self.engine, self.oldest_step, self.rng, self.stopping = policy.engine, oldest_step, rng, stopping
@@ -172,17 +285,10 @@ class AheadPolicy:
     def sampling_options(self) -> SamplingOptions:
         return self.options
 
-    def rollout(self, input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                max_new_tokens: int | None = None, keep_engine: bool = False) -> Generation:
+    def sample(self, request: SampleRequest) -> tuple[Sampled, float]:
         if self.stopping.is_set():
             raise RolloutsStopped("the producer stopped the rollouts it sampled ahead")
-        options = self.options if max_new_tokens is None else replace(self.options, max_new_tokens=max_new_tokens)
-        request = SampleRequest(input_ids, attention_mask, num_samples, options, greedy)
-        sampled = self.engine.sample_ahead(request, self.oldest_step, self.rng.randrange(2**30))
-        return Generation.from_sampled(sampled, attention_mask, num_samples, self.tokenizer, 0.0, self.stop_token_ids)
-
-    def release_engine(self) -> None:
-        return None
+        return self.engine.sample_ahead(request, self.oldest_step, self.rng.randrange(2**30)), 0.0
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> dict:
