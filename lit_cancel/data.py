@@ -8,16 +8,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.exports import EXPORTS
 from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
 from lit_cancel.rounds.producer import Processes, RolloutProducer
+from lit_cancel.rounds.resume import check_resume, class_path
 from lit_cancel.rounds.sample import encode_prompts
 from lit_cancel.rounds.staleness import Staleness
 from lit_cancel.tasks import Record, Task
 
 ENGINE_MAX_MODEL_LEN = "model.init_args.engine.init_args.max_model_len"
-# the options of a checkpoint's run shape that name a class
-_CLASS_OPTIONS = ("data.init_args.plan", "model.init_args.objective")
 
 
 class TaskDataModule(L.LightningDataModule):
@@ -266,30 +264,15 @@ class RolloutDataModule(TaskDataModule):
             "data.init_args.prompts_per_round": self.prompts_per_round,
             "data.init_args.mini_batches_per_round": self.mini_batches_per_round,
             "data.init_args.epochs_per_round": self.epochs_per_round,
-            "data.init_args.plan": _class_path(self.plan),
-            "model.init_args.objective": _class_path(objective),
+            "data.init_args.plan": class_path(self.plan),
+            "model.init_args.objective": class_path(objective),
         }
 
     def check_resume(self, saved: dict, objective: object, world: int) -> None:
         """Raises ValueError when the rollout state ``saved`` (a ``state_dict``) cannot go on in this run: options that
-        differ from the checkpoint's (unless ``allow_resume_changes``), unspent rollouts of other than ``world`` processes."""
-        current = self.run_shape(objective)
-        saved_shape = {name: public_class_path(value) if name in _CLASS_OPTIONS and value else value
-                       for name, value in saved.get("run_shape", {}).items()}
-        changed = [f"{name} {saved_shape[name]!r} -> {value!r}" for name, value in current.items()
-                   if name in saved_shape and saved_shape[name] != value]
-        if changed and not self.allow_resume_changes:
-            raise ValueError(
-                f"the checkpoint was written by a run with other settings: {'; '.join(changed)} "
-                f"(resume with the checkpoint's settings, or pass --data.init_args.allow_resume_changes true)"
-            )
-        saved_world = len(_per_process(saved))
-        if saved_world != world and any(p.get("pending") or p.get("waiting") is not None for p in _per_process(saved)):
-            raise ValueError(
-                f"the checkpoint holds the unspent rollouts of {saved_world} process{'es' * (saved_world > 1)} in the middle "
-                f"of a round and this run has {world}: resume on {saved_world} (trainer.devices x trainer.num_nodes), or "
-                "from a checkpoint written at the end of a round with no rollouts waiting"
-            )
+        differ from the checkpoint's (unless ``allow_resume_changes``), unspent rollouts of other than ``world`` processes
+        (:func:`~lit_cancel.rounds.resume.check_resume`)."""
+        check_resume(saved.get("run_shape", {}), self.run_shape(objective), _per_process(saved), world, self.allow_resume_changes)
 
     def state_dict(self) -> dict:
         """The round counters and each process's unspent micro-batches and waiting rollouts, by rank: gathered, as
@@ -332,14 +315,3 @@ def _per_process(saved: dict) -> list[dict]:
     """The per-process states in ``saved``; the state itself where written before they were (it holds one process's)."""
     return saved.get("processes", [saved])
 
-
-def _class_path(value: object) -> str | None:
-    """The class of ``value`` by its public name, ``lit_cancel.GRPO``, where lit_cancel exports it; else by its module."""
-    return None if value is None else public_class_path(f"{type(value).__module__}.{type(value).__qualname__}")
-
-
-def public_class_path(class_path: str) -> str:
-    """``lit_cancel.NAME`` for the class path of a class that lit_cancel exports as ``NAME``, whichever of its modules
-    the path names (checkpoints written before the sub-packages name ``lit_cancel.presets.GRPO``); else ``class_path``."""
-    name = class_path.rpartition(".")[2]
-    return f"lit_cancel.{name}" if class_path.startswith("lit_cancel.") and name in EXPORTS else class_path

@@ -13,4 +13,5 @@
   log-probs, as the draw's :class:`~lit_cancel.batch.RolloutBatch`;
 * :mod:`.statistics`: the round's ``rollout/...`` statistics, and the warnings of a round that cannot teach;
 * :mod:`.plans`: which rollouts meet in which optimizer step (the datamodule cuts a round by its plan).
+* :mod:`.resume`: what a checkpoint holds of the rounds, and whether it can go on in this run.
 """
