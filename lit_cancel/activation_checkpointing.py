@@ -189,18 +189,9 @@ def memory_at_hand(device: torch.device) -> int | None:
     return None
 
 
-def auto_checkpointing(module, trainer) -> CheckpointingChoice:
-    """The mode for ``module``'s fit under ``trainer``: its micro-batch from the datamodule's round (rows per process
-    and micro-batch; tokens per row: the longest of the first 1,000 training prompts and the completion limit)."""
-    data = trainer.datamodule
-    if not all(hasattr(data, name) for name in ("task", "prompts_per_round", "group_size", "mini_batches_per_round")):
-        raise ValueError("model.init_args.activation_checkpointing auto sizes the micro-batch from a RolloutDataModule's "
-                         "round (prompts_per_round, group_size, mini_batches_per_round); set a mode instead")
-    rows = max(1, data.prompts_per_round // trainer.world_size * data.group_size // data.mini_batches_per_round
-               // trainer.accumulate_grad_batches)
-    prompts = [record["prompt"] for record in data.task.train_records()[:1000]]
-    longest_prompt = max((len(ids) for ids in module.tokenizer(prompts)["input_ids"]), default=0)
-    row_tokens = longest_prompt + data.task.new_tokens_limit(module.max_new_tokens)[0]
+def auto_checkpointing(module, trainer, rows: int, row_tokens: int) -> CheckpointingChoice:
+    """The mode for ``module``'s fit under ``trainer``, whose micro-batches hold ``rows`` rows of ``row_tokens`` tokens at
+    most in each process (the datamodule tells: ``RolloutDataModule.micro_batch_shape``)."""
     model = module.policy.model
     at_hand = memory_at_hand(trainer.strategy.root_device)
     if at_hand is None:

@@ -48,6 +48,19 @@ class TaskDataModule(L.LightningDataModule):
         task's (:meth:`~lit_cancel.tasks.Task.drift_probes`)."""
         return self.task.drift_probes(count)
 
+    def micro_batch_shape(self, max_new_tokens: int) -> tuple[int, int]:
+        """``(rows, tokens)`` at most of a training micro-batch in each process, before training, for
+        ``activation_checkpointing: auto``; only a :class:`RolloutDataModule` can tell."""
+        raise ValueError(f"model.init_args.activation_checkpointing auto sizes the micro-batch from a RolloutDataModule's round, "
+                         f"and {type(self).__name__} has none; set a mode instead")
+
+    def longest_row(self, max_new_tokens: int) -> int:
+        """Tokens of a prompt and its rollout at most: the longest of the first 1,000 training prompts and the tokens
+        that may follow it (the task's :meth:`~lit_cancel.tasks.Task.new_tokens_limit` of ``max_new_tokens``)."""
+        prompts = [record["prompt"] for record in self.task.train_records()[:1000]]
+        longest_prompt = max((len(ids) for ids in self.tokenizer(prompts)["input_ids"]), default=0)
+        return longest_prompt + self.task.new_tokens_limit(max_new_tokens)[0]
+
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
 
@@ -230,6 +243,11 @@ class RolloutDataModule(TaskDataModule):
     @property
     def steps_per_round(self) -> int:
         return self.mini_batches_per_round * self.epochs_per_round
+
+    def micro_batch_shape(self, max_new_tokens: int) -> tuple[int, int]:
+        rows = (self.prompts_per_round // self.trainer.world_size * self.group_size // self.mini_batches_per_round
+                // self.trainer.accumulate_grad_batches)
+        return max(1, rows), self.longest_row(max_new_tokens)
 
     def make_round(self) -> list[RolloutBatch]:
         """Samples one round with the current policy and plans its micro-batches."""

@@ -195,7 +195,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
             if isinstance(root, ModelRoot):
                 root.float32_products = widen
         if stage == "fit" and self.activation_checkpointing == AUTO:
-            choice = auto_checkpointing(self, self.trainer)
+            choice = auto_checkpointing(self, self.trainer, *self.trainer.datamodule.micro_batch_shape(self.max_new_tokens))
             self.activation_checkpointing = choice.mode
             self.recompute_chunks = use_activation_checkpointing(self.policy.model, choice.mode)
             rank_zero_info(f"model.init_args.activation_checkpointing auto: {mode_name(choice.mode)} ({choice.reason})")

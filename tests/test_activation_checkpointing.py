@@ -6,7 +6,7 @@ import torch
 from conftest import checkpoints_blocks
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lit_cancel import AdditionTask, RLModule, RolloutDataModule, activation_checkpointing
+from lit_cancel import AdditionTask, RLModule, RolloutDataModule, SFTDataModule, SFTModule, activation_checkpointing
 from lit_cancel.activation_checkpointing import (
     KeptPerToken,
     choose_checkpointing,
@@ -103,3 +103,12 @@ def test_auto_without_memory_facts_uses_blocks(monkeypatch):
                         enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     assert module.activation_checkpointing == "blocks" and checkpoints_blocks(module.policy.model)
+
+
+def test_auto_is_refused_with_a_datamodule_that_cannot_tell_its_micro_batch():
+    module = SFTModule("embedded:tiny-adder", max_new_tokens=8, activation_checkpointing="auto")
+    data = SFTDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), batch_size=4)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(ValueError, match="auto sizes the micro-batch from a RolloutDataModule's round, and SFTDataModule has none"):
+        trainer.fit(module, datamodule=data)
