@@ -12,6 +12,6 @@
 * :mod:`.advantages`: what the objective needs of a draw: each whole group's advantages, the old and reference
   log-probs, as the draw's :class:`~lit_cancel.batch.RolloutBatch`;
 * :mod:`.statistics`: the round's ``rollout/...`` statistics, and the warnings of a round that cannot teach;
-* :mod:`.plans`: which rollouts meet in which optimizer step (the datamodule cuts a round by its plan).
+* :mod:`.plans`: which rollouts meet in which optimizer step (the datamodule cuts a round by its plan);
 * :mod:`.resume`: what a checkpoint holds of the rounds, and whether it can go on in this run.
 """
