@@ -3,6 +3,7 @@
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
@@ -323,7 +324,10 @@ class RolloutDataModule(TaskDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores the counters and this process's rollouts (none at the end of a round: such a checkpoint resumes
-        on any number of processes); :meth:`check_resume` first."""
+        on any number of processes); :meth:`check_resume` first. Nothing is restored under a trainer that runs other than
+        ``fit`` (``validate --ckpt_path`` loads every state of the checkpoint): it samples no rounds, whatever their sizes."""
+        if self.trainer is not None and self.trainer.state.fn not in (None, TrainerFn.FITTING):
+            return
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         self.check_resume(state_dict, self._objective(), world)
         processes = _per_process(state_dict)

@@ -424,10 +424,10 @@ def test_warnings_are_printed_on_one_line(tmp_path):
     assert (result.returncode, result.stderr) == (0, "warning: round 3: every reward is equal\nwarning (FutureWarning): old\n")
 
 
-def test_validate_prints_the_held_out_metrics(tmp_path, capsys, checkpoints):
+def test_validate_prints_the_held_out_metrics_whatever_the_round_sizes_of_the_checkpoint(tmp_path, capsys, checkpoints):
+    # the checkpoint's run had rounds of 4 prompts x 4, the config's are 16 x 8: a resume would refuse, validate samples no rounds
     run = main(["validate", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={checkpoints['quickstart']}",
                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4",
                 "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=2"])
     printed = dict(line.split() for line in capsys.readouterr().out.strip().splitlines()[-2:])
     assert set(printed) == {"val/accuracy", "val/greedy_accuracy"}
