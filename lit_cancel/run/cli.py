@@ -31,13 +31,6 @@ from lit_cancel.run.log_errors import log_write_error, report_log_write_errors
 from lit_cancel.run.precision import AUTO, Trainer, auto_precision
 from lit_cancel.sharding import check_strategy, shards
 
-# other commands of ``lit-cancel``, listed under fit's and validate's --help
-OTHER_COMMANDS = (
-    "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
-    "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
-    "for a config's model; 'lit-cancel diagnose' names why a run is not learning, from its TensorBoard files. "
-    "Add --help to any of them for its options."
-)
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
@@ -241,6 +234,5 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
         trainer_defaults={"inference_mode": False},
         # a top-level --optimizer would silently replace the module's
         auto_configure_optimizers=False,
-        parser_kwargs={"epilog": OTHER_COMMANDS},
         args=args,
     )
