@@ -11,7 +11,6 @@ import importlib
 import re
 import sys
 import warnings
-from contextlib import suppress
 from pathlib import Path
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -26,7 +25,7 @@ from lit_cancel.rollouts import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
 from lit_cancel.run.checks import check_checkpoint
 from lit_cancel.run.errors import ConfigError, RunError, config_file_problem, explain
-from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run
+from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run, remove_reserved_folders
 from lit_cancel.run.log_errors import log_write_error, report_log_write_errors
 from lit_cancel.run.precision import AUTO, Trainer, auto_precision
 from lit_cancel.sharding import check_strategy, shards
@@ -67,9 +66,8 @@ class LitCancelCLI(LightningCLI):
             super().__init__(*args, **kwargs)
         except BaseException:
             self.run_folder_lock.release(remove_files=bool(self.reserved_folders))
-            for folder in self.reserved_folders:
-                with suppress(OSError):
-                    folder.rmdir()  # only when empty: nothing was run in it
+            trainer = getattr(self, "trainer", None)
+            remove_reserved_folders(self.reserved_folders, trained=trainer is not None and trainer.global_step > 0)
             raise
         self.run_folder_lock.release()
 
@@ -112,6 +110,8 @@ class LitCancelCLI(LightningCLI):
                 message = config_file_problem(message, sys.argv[1:] if args is None else list(args))
             raise ConfigError(message) from error
         subcommand = self.config.get("subcommand")
+        if subcommand == "fit" and self.config.fit.trainer.get("max_steps") == 0:
+            raise ConfigError("trainer.max_steps must be >= 1 (the optimizer steps to train), got 0")
         if subcommand:
             try:
                 check_strategy(self.config[subcommand].trainer.strategy)  # before the Trainer, which refuses FSDP on a CPU

@@ -10,9 +10,11 @@ import fcntl
 import importlib
 import os
 import re
+import shutil
 import socket
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -46,7 +48,8 @@ def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
 
     A new ``fit`` whose logger picks its version (``version: null``) gets its ``version_N`` folder now
     (:func:`reserve_version`), so that runs started together in one folder get one each; the folders
-    made for it are returned, innermost first, for a caller that then runs nothing to remove.
+    made for it are returned, innermost first, for a caller whose run does not go through to remove
+    (:func:`remove_reserved_folders`).
     """
     for callback in _checkpoint_callbacks(config).values():
         if callback.class_path == PLAIN_MODEL_CHECKPOINT:
@@ -198,6 +201,22 @@ def reserve_logger_version(config: Namespace) -> list[Path]:
     folder = runs / _version_folder(logger.version)
     os.environ[RUN_FOLDER_VARIABLE] = str(folder.resolve())
     return [folder, *made]
+
+
+def remove_reserved_folders(reserved: list[Path], trained: bool) -> None:
+    """Removes the folders :func:`reserve_logger_version` made for a new run that did not go through (``reserved``,
+    innermost first): its ``version_N`` folder when empty, or, when the run stopped before it ``trained`` a step, with
+    the files it wrote there (its config, the logs of the validation before fit) unless one is a checkpoint; then each
+    folder made above it that is empty. The files of other runs are never in these folders but in folders above them,
+    which go only when empty."""
+    if not reserved:
+        return
+    run, *above = reserved
+    if not trained and not any(run.rglob("*.ckpt")):
+        shutil.rmtree(run, ignore_errors=True)
+    for folder in [run, *above]:
+        with suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 def _runs_folder(logger: Namespace) -> Path:

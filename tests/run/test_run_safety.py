@@ -518,6 +518,32 @@ def test_a_fit_refused_before_it_runs_leaves_no_version_folder(tmp_path, monkeyp
     assert list((tmp_path / "runs" / "tiny").glob("version_*")) == []
 
 
+def test_max_steps_0_is_refused_at_start_up(tmp_path, monkeypatch, capsys):
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), "--trainer.max_steps=0")
+    assert (code, lines[-1]) == (2, "error: trainer.max_steps must be >= 1 (the optimizer steps to train), got 0")
+    assert not (tmp_path / "runs").exists()
+
+
+class CtrlCInTheFirstValidation(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        raise KeyboardInterrupt
+
+
+def test_a_run_stopped_before_its_first_step_leaves_no_folder_and_keeps_the_earlier_runs(tmp_path, monkeypatch, capsys):
+    config = str(write_config(tmp_path, max_steps=1))
+    stopped = ["fit", "--config", config, "--trainer.limit_val_batches=1.0", "--trainer.callbacks+=test_run_safety.CtrlCInTheFirstValidation"]
+    nothing_to_resume = (130, "lit-cancel: stopped by Ctrl-C (SIGINT) during validate: nothing to resume")
+    code, lines = console(monkeypatch, capsys, *stopped)
+    assert (code, lines[-1]) == nothing_to_resume
+    assert list(tmp_path.iterdir()) == [tmp_path / "tiny.yaml"]  # runs/tiny/version_0 and the folders made above it
+    run_cli(["fit", "--config", config])
+    earlier = sorted((tmp_path / "runs").rglob("*"))
+    assert checkpoints(tmp_path) / "last.ckpt" in earlier
+    code, lines = console(monkeypatch, capsys, *stopped)  # in version_1, beside the earlier run
+    assert (code, lines[-1]) == nothing_to_resume
+    assert sorted((tmp_path / "runs").rglob("*")) == earlier
+
+
 def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_take_it(tmp_path, monkeypatch):
     def config() -> Namespace:
         logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
