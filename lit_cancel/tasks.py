@@ -8,10 +8,12 @@ the embedded :class:`AdditionTask` and :class:`MathWordTask` for GSM8K-style fil
 """
 
 import json
+import logging
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import Tensor
@@ -255,6 +257,19 @@ def _not_utf8_because(file: Path) -> str | None:
     return None
 
 
+@contextmanager
+def _loader_errors_unlogged() -> Iterator[None]:
+    """Keeps the loaders of ``datasets`` from logging why they cannot read a file: the task raises its own message, which
+    names the file's line (:func:`_unreadable_because`) where theirs names a row counted from 0."""
+    loaders = logging.getLogger("datasets.packaged_modules")
+    level = loaders.level
+    loaders.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        loaders.setLevel(level)
+
+
 def _row_lines(file: Path) -> list[str]:
     """How each row of ``file`` is named in messages: its line in a jsonl file (1-based, blank lines counted), else its row."""
     if file.suffix == ".jsonl":
@@ -375,7 +390,8 @@ class MathWordTask(Task):
         if builder == "json" and (not_utf8 := _not_utf8_because(file)):
             raise ValueError(f"MathWordTask: data file {path!r} {not_utf8}")
         try:
-            rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+            with _loader_errors_unlogged():
+                rows = datasets.load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:
             fields = (self.question_field, self.answer_field)
             raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error, fields)}") from error
