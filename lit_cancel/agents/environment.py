@@ -22,12 +22,15 @@ class Observation:
         done: the episode is over: the environment takes no more turns.
         tool_calls: tool calls the turn made.
         tool_errors: of those, the calls that failed (raised, timed out, were malformed or named no tool).
+        tool_output_faults: of those, the calls whose output the policy read repaired (cut at the longest output read,
+            or not UTF-8).
     """
 
     text: str
     done: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_output_faults: int = 0
 
 
 class Environment(ABC):

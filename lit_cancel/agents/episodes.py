@@ -61,6 +61,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_output_faults: int = 0
     turn_steps: list[int] = field(default_factory=list)
     ending: str | None = None
 
@@ -144,6 +145,7 @@ def take_turn(episode: Episode, generation: Generation, row: int, turn: int, las
     observation = step_episode(episode.environment, generation.texts[row], turn, episode.where)
     episode.tool_calls += observation.tool_calls
     episode.tool_errors += observation.tool_errors
+    episode.tool_output_faults += observation.tool_output_faults
     if observation.done:
         episode.ending = "done"
         return
@@ -194,7 +196,7 @@ def padded_floats(rows: list[list[float]], width: int) -> Tensor:
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:
     """``rollout/...`` statistics of the episodes.
 
-    ``turns`` per episode; ``tool_calls`` and ``tool_errors`` per episode; ``env_token_share``, the environment's
+    ``turns`` per episode; ``tool_calls``, ``tool_errors`` and ``tool_output_faults`` per episode; ``env_token_share``, the environment's
     share of the tokens after the prompts; ``frac_turn_limit``, episodes that ran out of turns; ``frac_turn_cut``,
     turns cut at ``max_turn_tokens``; ``frac_episode_cut``, episodes cut at ``max_episode_tokens``;
     ``frac_truncated``, episodes cut by either token limit (as a single-turn completion cut at ``max_new_tokens``);
@@ -210,6 +212,7 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "rollout/turns": turns / count,
         "rollout/tool_calls": sum(e.tool_calls for e in episodes) / count,
         "rollout/tool_errors": sum(e.tool_errors for e in episodes) / count,
+        "rollout/tool_output_faults": sum(e.tool_output_faults for e in episodes) / count,
         "rollout/env_token_share": environment_tokens / max(all_tokens, 1),
         "rollout/frac_turn_limit": endings["turn_limit"],
         "rollout/frac_turn_cut": sum(e.ending == "turn_cut" for e in episodes) / max(turns, 1),

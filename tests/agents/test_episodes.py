@@ -17,6 +17,7 @@ from lit_cancel.agents import (
     EnvironmentTask,
     Observation,
     ToolAdditionTask,
+    ToolEnvironment,
     calculate,
     run_episodes,
 )
@@ -173,6 +174,25 @@ def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_
 
     with pytest.raises(EnvironmentFailure, match=r"Unscored.reward raised on record 0: KeyError: 'score'"):
         run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+
+
+def test_a_round_counts_tool_outputs_cut_or_not_utf8_apart_from_failed_calls():
+    def lookup(key: str) -> bytes:
+        """Looks a key up.
+
+        Args:
+            key: what to look up.
+        """
+        return {"short": b"ok", "long": b"x" * 50, "binary": b"\xff"}[key]
+
+    policy = ScriptedPolicy(lambda context: ("done" if "lookup" in context else f"lookup: {context.rstrip(':')}", True),
+                            max_new_tokens=20)
+    records = [{"prompt": f"{key}:"} for key in ("short", "long", "binary", "missing")]
+    generation, _ = run(policy, records, environment=lambda: ToolEnvironment([lookup], ColonCalls("key"), max_output_chars=10))
+    assert generation.texts[1] == "lookup:long = xxxxxxxxxx... [40 more characters cut]\ndone"
+    # per episode: each of the 4 calls once; "missing" raised (an error); "long" was cut and "binary" is not UTF-8
+    stats = generation.stats
+    assert (stats["rollout/tool_calls"], stats["rollout/tool_errors"], stats["rollout/tool_output_faults"]) == (1.0, 0.25, 0.5)
 
 
 def test_a_trl_environment_runs_its_tools_in_episodes_and_scores_them_with_get_reward():

@@ -57,6 +57,16 @@ def floods(size: int) -> bytes:
     return (b"ok\xff\x00\x07" * size)[:size]
 
 
+def repeats(text: str, times: int) -> str:
+    """Repeats a text.
+
+    Args:
+        text: what to repeat.
+        times: how many times.
+    """
+    return text * times
+
+
 def call(name: str, **arguments) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
@@ -69,7 +79,7 @@ def response(*texts: str) -> str:
 
 @pytest.fixture
 def environment():
-    return ToolEnvironment([multiply, fails, hangs, floods], timeout=0.3, max_output_chars=40, max_calls_per_turn=3)
+    return ToolEnvironment([multiply, fails, hangs, floods, repeats], timeout=0.3, max_output_chars=40, max_calls_per_turn=3)
 
 
 def test_a_tools_schema_comes_from_its_signature_and_docstring(environment):
@@ -137,8 +147,17 @@ def test_a_huge_output_that_is_not_utf8_is_cut_and_cleaned(environment):
     observation = environment.step(call("floods", size=10_000))
     # b"ok\xff\x00\x07" is "ok" and a replacement character once decoded; the NUL and the bell are dropped
     expected = ("ok\ufffd" * 14)[:40] + f"... [{3 * 2000 - 40} more characters cut]"
-    assert observation == Observation(response(expected), tool_calls=1, tool_errors=0)
-    assert cleaned("a\x1b[31mb\tc\n", 100) == "a[31mb\tc\n"
+    assert observation == Observation(response(expected), tool_calls=1, tool_errors=0, tool_output_faults=1)
+    assert cleaned("a\x1b[31mb\tc\n", 100) == ("a[31mb\tc\n", False)
+
+
+def test_an_output_cut_or_not_utf8_is_counted_as_a_faulty_output_and_a_failed_call_as_an_error(environment):
+    # 10 bytes that are not UTF-8; 60 characters cut at 40; 40 characters, read whole
+    observation = environment.step(call("floods", size=10) + call("repeats", text="ab", times=30) + call("repeats", text="ab", times=20))
+    assert (observation.tool_calls, observation.tool_errors, observation.tool_output_faults) == (3, 0, 2)
+    # an error cut at 40 characters is a failed call, not a faulty output
+    observation = environment.step(call("fails", reason="x" * 100))
+    assert (observation.tool_calls, observation.tool_errors, observation.tool_output_faults) == (1, 1, 0)
 
 
 def test_calls_past_the_limit_of_a_turn_are_answered_with_an_error_and_not_run(environment):
