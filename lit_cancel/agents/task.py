@@ -78,7 +78,8 @@ class EnvironmentTask(AgentTask):
     Args:
         task: where records come from; its ``reward(record, transcript)`` and ``correct`` score episodes whose
             environment gives no reward.
-        environment: a callable that makes one :class:`Environment` per episode (a class, or a function returning one).
+        environment: a callable that makes one :class:`Environment` per episode (a class, or a function returning one;
+            one named in a config needs the return type hint ``-> Environment``).
         trl_environment: instead, a TRL ``environment_factory``: a callable returning one object per episode whose
             public methods are the tools, whose ``reset(**record)`` may return text, and whose optional
             ``get_reward()`` scores the episode (:class:`~lit_cancel.agents.TRLEnvironment`).
