@@ -42,9 +42,11 @@ class TaskDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__} uses the tokenizer of the LightningModule it feeds: attach both to a Trainer first")
         return self.trainer.lightning_module.tokenizer
 
-    def encode_prompts(self, records: list[Record]) -> dict:
-        """Left-padded prompt ids and mask of ``records``."""
-        return encode_prompts(self.tokenizer, records)
+    def val_batch(self, numbered: list[tuple[int, Record]]) -> dict:
+        """A validation batch of ``(index, record)`` pairs: left-padded prompt ids and mask, the records, and their
+        ``indices`` among the task's held-out records (for messages that name a record)."""
+        indices, records = zip(*numbered, strict=True)
+        return encode_prompts(self.tokenizer, list(records)) | {"indices": list(indices)}
 
     def drift_probes(self, count: int) -> list[dict]:
         """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``;
@@ -58,7 +60,7 @@ class TaskDataModule(L.LightningDataModule):
         return [{"prompt": r["prompt"], "solutions": self.task.solutions(r)} for r in self.task.val_records()[:count]]
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
+        return DataLoader(list(enumerate(self.task.val_records())), batch_size=self.val_batch_size, collate_fn=self.val_batch)
 
 
 def new_tokens_limit(task: Task, module: L.LightningModule) -> tuple[object, str, str]:

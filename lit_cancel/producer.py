@@ -27,7 +27,7 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import PolicyWeights, RolloutEngine, SampleRequest, SamplingOptions
 from lit_cancel.engines.base import in_background
 from lit_cancel.generation import Generation
-from lit_cancel.rollouts import encode_prompts, round_stats, sample_groups, staleness_stats
+from lit_cancel.rollouts import encode_prompts, record_names, round_stats, sample_groups, staleness_stats
 from lit_cancel.round_warnings import CannotLearnWarnings
 from lit_cancel.tasks import Record, Task
 
@@ -114,16 +114,22 @@ class RolloutProducer:
         self.stopping = threading.Event()
         self.cannot_learn = CannotLearnWarnings()
 
-    def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
-        """The prompts of draw ``draw`` for process ``rank``: consecutive slices of seeded permutations."""
-        records = self.task.train_records()
+    def draw_indices(self, draw: int, rank: int, world: int) -> list[int]:
+        """Which of the task's training records are the prompts of draw ``draw`` for process ``rank``: consecutive
+        slices of seeded permutations."""
+        count = len(self.task.train_records())
         per_rank = self.prompts_per_round // world
         first = draw * self.prompts_per_round + rank * per_rank
-        picked = []
+        indices = []
         for position in range(first, first + per_rank):
-            epoch, index = divmod(position, len(records))
-            picked.append(records[_permutation(len(records), self.seed + epoch)[index]])
-        return picked
+            epoch, index = divmod(position, count)
+            indices.append(_permutation(count, self.seed + epoch)[index])
+        return indices
+
+    def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
+        """The prompts of draw ``draw`` for process ``rank`` (:meth:`draw_indices`)."""
+        records = self.task.train_records()
+        return [records[index] for index in self.draw_indices(draw, rank, world)]
 
     def seed_of(self, rank: int, *keys: int) -> int:
         """A seed for ``keys`` (a draw, a round) on process ``rank``, from the producer's seed."""
@@ -169,11 +175,12 @@ class RolloutProducer:
             synced = policy.sync_engine()
         for later in range(draw + 1, draw + 1 + policy.engine.max_staleness):
             self.prefetch(policy, processes, later, rounds_ahead=later - draw)
+        indices = self.draw_indices(draw, processes.rank, processes.world)
         records = self.draw_records(draw, processes.rank, processes.world)
         batch, seconds, sync_seconds, stats = sample_groups(
             policy, advantages, self.task, records, self.group_size, seed=self.seed_of(processes.rank, draw),
             first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
-            with_old_logprobs=with_old_logprobs, sampled_ahead=ahead,
+            with_old_logprobs=with_old_logprobs, sampled_ahead=ahead, names=record_names(self.task, "train", indices),
         )
         self.prompt_draws += 1
         return batch, seconds, sync_seconds + synced, stats
@@ -192,7 +199,9 @@ class RolloutProducer:
         elif draw not in self.ahead:
             # a task that calls the engine several times (an agent's turns, the environment answering between them)
             ahead = AheadPolicy(policy, oldest_step, random.Random(self.seed_of(processes.rank, draw)), self.stopping)
-            self.ahead[draw] = in_background(self.task.rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
+            names = record_names(self.task, "train", self.draw_indices(draw, processes.rank, processes.world))
+            rollout = functools.partial(self.task.rollout, names=names)
+            self.ahead[draw] = in_background(rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
                                              self.group_size)
 
     def stop(self, seconds: float = 10.0) -> None:

@@ -32,6 +32,17 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[Record]) ->
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
 
 
+def record_names(task: Task, split: str, indices: Sequence[int]) -> list[str]:
+    """How messages name records ``indices`` of ``split`` (``"train"`` or ``"val"``, indices into the task's records of
+    that split): ``"val record 3"``, followed by where the task read it where it tells (``"val record 3 ('test.jsonl'
+    line 5)"``, :meth:`~lit_cancel.tasks.Task.record_source`)."""
+    names = []
+    for index in indices:
+        name, source = f"{split} record {index}", task.record_source(split, index)
+        names.append(name if source == name else f"{name} ({source})")
+    return names
+
+
 def checked_reward(reward: object, source: str, where: str) -> float:
     """``reward`` as a float: a finite real number (bool, int, float, a numpy scalar or a one-element tensor).
 
@@ -123,7 +134,7 @@ def check_reward(task: Task) -> None:
 
 def sample_groups(
     policy, advantages: Callable[[Tensor], Tensor], task: Task, records: list[Record], group_size: int, *, seed: int, first_group: int,
-    round_index: int, with_old_logprobs: bool, sampled_ahead: Future | None = None,
+    round_index: int, with_old_logprobs: bool, sampled_ahead: Future | None = None, names: Sequence[str] | None = None,
 ) -> tuple[RolloutBatch, float, float, dict[str, float]]:
     """``group_size`` scored rollouts of each of ``records``, the seconds spent sampling, those spent
     pushing weights to the engine before it (see :meth:`PolicyModule.rollout`), and the engine's statistics.
@@ -134,6 +145,7 @@ def sample_groups(
     old and reference log-probs run in the trainer's precision context, as the training step does,
     so that the step's first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the
     background (:meth:`~lit_cancel.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
+    ``names``: how messages name each record (:func:`record_names`).
     """
     started = time.perf_counter()
     if sampled_ahead is not None:
@@ -143,7 +155,7 @@ def sample_groups(
         with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
             torch.manual_seed(seed)
             generation = task.rollout(policy, records, prompts["input_ids"].to(policy.device),
-                                      prompts["attention_mask"].to(policy.device), group_size)
+                                      prompts["attention_mask"].to(policy.device), group_size, names=names)
     seconds = time.perf_counter() - started
 
     repeated = [r for r in records for _ in range(group_size)]

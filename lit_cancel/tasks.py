@@ -12,7 +12,7 @@ import logging
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,11 +59,12 @@ class Task(ABC):
         return f"{split} record {index}"
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
-                greedy: bool = False) -> Generation:
+                greedy: bool = False, names: Sequence[str] | None = None) -> Generation:
         """``num_samples`` rollouts of each of ``records`` by ``policy`` (a :class:`~lit_cancel.producer.RolloutPolicy`),
         whose prompts ``input_ids`` holds left-padded: here one
         completion each by ``policy.rollout``; an :class:`~lit_cancel.agents.AgentTask` runs an episode of several
-        turns against its environment instead."""
+        turns against its environment instead. ``names`` says how messages name each record (``"val record 3"``,
+        :func:`~lit_cancel.rollouts.record_names`), by its place in ``records`` when None."""
         return policy.rollout(input_ids, attention_mask, num_samples, greedy)
 
 

@@ -11,14 +11,14 @@ An episode ends when the environment says it is done, after ``max_turns`` turns,
 ``max_episode_tokens`` (its last turn or observation cut there).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_cancel.agents.environment import Environment, EnvironmentFailure, episode_reward, reset_episode, step_episode
+from lit_cancel.agents.environment import Environment, episode_reward, new_environment, reset_episode, step_episode
 from lit_cancel.generation import Generation, padded
 from lit_cancel.rollouts import checked_reward
 from lit_cancel.tasks import Record
@@ -73,12 +73,13 @@ class Episode:
 
 def run_episodes(policy, make_environment: Callable[[], Environment], limits: EpisodeLimits, records: list[Record],
                  input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                 where: Callable[[int], str] = lambda index: f"record {index}") -> Generation:
+                 names: Sequence[str] | None = None) -> Generation:
     """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
     turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
 
     ``policy`` is a :class:`~lit_cancel.producer.RolloutPolicy`; ``make_environment`` makes one environment per
-    episode; ``where(i)`` names record ``i`` in the messages of a failing environment. Rows are ordered as
+    episode; ``names[i]`` names record ``i`` in the messages of a failing environment (``"val record 3"``,
+    :func:`~lit_cancel.rollouts.record_names`; ``"record i"`` when None). Rows are ordered as
     ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
     transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave
     none); ``stats`` the episodes' ``rollout/...`` statistics (:func:`episode_stats`) and the engine's.
@@ -86,13 +87,12 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     tokenizer, device = policy.tokenizer, input_ids.device
     episodes = []
     for index, (record, ids, mask) in enumerate(zip(records, input_ids.cpu(), attention_mask.cpu(), strict=True)):
+        where = names[index] if names is not None else f"record {index}"
         for _ in range(num_samples):
-            environment = make_environment()
-            if not isinstance(environment, Environment):
-                raise EnvironmentFailure(f"the environment factory returned {type(environment).__name__}, not an Environment")
-            opening = reset_episode(environment, record, where(index))
+            environment = new_environment(make_environment, f"for {where}")
+            opening = reset_episode(environment, record, where)
             prompt = ids[mask.bool()].tolist() + (tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else [])
-            episodes.append(Episode(prompt, environment, where(index)))
+            episodes.append(Episode(prompt, environment, where))
 
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)
@@ -117,7 +117,7 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     rewards = []
     for episode in episodes:
         reward = episode_reward(episode.environment, episode.where)
-        source = f"{type(episode.environment).__name__}.reward"
+        source = episode.environment.method_name("reward")
         rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
     return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
                          engine_stats | episode_stats(episodes))

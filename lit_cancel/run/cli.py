@@ -1,9 +1,10 @@
 """``LightningCLI`` with the project's modules and checks: what ``lit-cancel fit`` and ``lit-cancel validate`` run.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
-a checkpoint of the wrong kind, sizes that do not fit) raises :class:`~lit_cancel.run.errors.ConfigError`;
-a reward error, a run of non-finite steps or an I/O error during the run raises
-:class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint of the last good step.
+a checkpoint of the wrong kind, sizes that do not fit, an environment that fails to build or fails in the validation
+before training) raises :class:`~lit_cancel.run.errors.ConfigError`; a reward or environment error, a run of non-finite
+steps or an I/O error during the run raises :class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint
+of the last good step.
 """
 
 import argparse
@@ -19,6 +20,8 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_cancel.agents.environment import EnvironmentFailure
+from lit_cancel.agents.task import AgentTask
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.float32_products import emulates_bf16
 from lit_cancel.rollouts import RewardError, check_reward
@@ -33,7 +36,7 @@ from lit_cancel.sharding import check_strategy, shards
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
-_RUN_ERRORS = (RewardError, FloatingPointError, OSError)
+_RUN_ERRORS = (RewardError, EnvironmentFailure, FloatingPointError, OSError)
 # argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -142,6 +145,8 @@ class LitCancelCLI(LightningCLI):
         except _RUN_ERRORS as error:
             if logs := log_write_error(self.trainer, error):
                 raise logs from error
+            if isinstance(error, EnvironmentFailure) and subcommand == "validate":
+                raise ConfigError(str(error)) from error  # validate trains nothing: the environment is bad input
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
@@ -152,6 +157,16 @@ class LitCancelCLI(LightningCLI):
             try:
                 check_reward(task)
             except RewardError as error:
+                raise ConfigError(str(error)) from error
+
+    def check_environment(self) -> None:
+        """Builds one environment of an agent task (:meth:`~lit_cancel.agents.AgentTask.check_environment`), so that a
+        factory that raises (a tool without a docstring, two tools of one name) fails before the run."""
+        task = getattr(self.datamodule, "task", None)
+        if isinstance(task, AgentTask):
+            try:
+                task.check_environment()
+            except EnvironmentFailure as error:
                 raise ConfigError(str(error)) from error
 
     def check_trainer(self) -> None:
@@ -183,6 +198,7 @@ class LitCancelCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self.check_trainer()
+        self.check_environment()
         self.check_reward()
         self.check_engine()
 
@@ -198,6 +214,7 @@ class LitCancelCLI(LightningCLI):
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
         self.check_trainer()
+        self.check_environment()
         self.check_reward()
         self.check_engine()
         ckpt_path = self.config.fit.get("ckpt_path")
@@ -213,7 +230,10 @@ class LitCancelCLI(LightningCLI):
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:
-            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            try:
+                self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            except EnvironmentFailure as error:  # nothing has trained yet
+                raise ConfigError(str(error)) from error
 
 
 def _class(class_path: str) -> type:

@@ -4,6 +4,7 @@ agreeing with what was sampled."""
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -25,9 +26,9 @@ from lit_cancel.agents.episodes import EpisodeLimits
 from lit_cancel.engines import Sampled
 from lit_cancel.generation import Generation
 from lit_cancel.hub import load_tokenizer
-from lit_cancel.rollouts import encode_prompts
+from lit_cancel.rollouts import encode_prompts, record_names
 from lit_cancel.sft import SFTDataModule
-from lit_cancel.tasks import AdditionTask
+from lit_cancel.tasks import AdditionTask, MathWordTask
 
 
 class ScriptedPolicy:
@@ -174,6 +175,22 @@ def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_
 
     with pytest.raises(EnvironmentFailure, match=r"Unscored.reward raised on record 0: KeyError: 'score'"):
         run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+
+
+def test_messages_name_a_record_by_its_split_its_index_and_where_the_task_read_it(gsm8k_file):
+    class Secretive(Countdown):
+        def reset(self, record):
+            return record["secret"]
+
+    math = MathWordTask(gsm8k_file, val_size=2)
+    names = record_names(math, "val", [1])
+    assert names == [f"val record 1 ({math.record_source('val', 1)})"] and gsm8k_file in names[0]
+    assert record_names(AdditionTask(num_digits=1, train_size=4, val_size=2), "train", [3, 0]) == ["train record 3", "train record 0"]
+    policy = ScriptedPolicy(lambda context: ("stop", True))
+    records = math.val_records()[1:]
+    task = EnvironmentTask(math, environment=Secretive)
+    with pytest.raises(EnvironmentFailure, match=re.escape(f"Secretive.reset raised on {names[0]}: KeyError: 'secret'")):
+        task.rollout(policy, records, *encoded(policy.tokenizer, records), names=names)
 
 
 def test_a_round_counts_tool_outputs_cut_or_not_utf8_apart_from_failed_calls():

@@ -6,9 +6,11 @@ import threading
 
 import pytest
 
+from lit_cancel import AdditionTask
 from lit_cancel.agents import (
     Environment,
     EnvironmentFailure,
+    EnvironmentTask,
     HermesCalls,
     MalformedCall,
     Observation,
@@ -16,7 +18,7 @@ from lit_cancel.agents import (
     ToolEnvironment,
     from_trl_factory,
 )
-from lit_cancel.agents.environment import reset_episode, step_episode
+from lit_cancel.agents.environment import episode_reward, reset_episode, step_episode
 from lit_cancel.agents.tools import cleaned
 
 
@@ -202,7 +204,7 @@ def test_an_environment_written_for_trls_environment_factory_runs_with_its_state
     assert (first.reward(), second.reward()) == (1.0, 0.0)
 
 
-def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused_when_the_factory_is_given():
+def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused_by_the_start_up_check_naming_its_class():
     class NoReset:
         def increment(self, by: int) -> int:
             """Adds.
@@ -216,10 +218,25 @@ def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused
         def decrement(self, by: int) -> int:
             return -by
 
-    with pytest.raises(ValueError, match="NoReset: an environment_factory's instance must define reset"):
-        from_trl_factory(NoReset)
-    with pytest.raises(ValueError, match="^tool decrement: "):
-        from_trl_factory(Undocumented)
+    task = AdditionTask(num_digits=1, train_size=4, val_size=2)
+    with pytest.raises(EnvironmentFailure, match="^the environment factory NoReset raised at start-up: ValueError: NoReset: an "
+                                                 "environment_factory's instance must define reset"):
+        EnvironmentTask(task, trl_environment=NoReset).check_environment()
+    with pytest.raises(EnvironmentFailure, match="^the environment factory Undocumented raised at start-up: ValueError: tool decrement: "):
+        EnvironmentTask(task, trl_environment=Undocumented).check_environment()
+
+
+def test_an_environment_of_a_trl_class_is_named_by_that_class_and_its_methods():
+    class Unscored(Counter):
+        def get_reward(self) -> float:
+            raise KeyError("count")
+
+    environment = from_trl_factory(Unscored)()
+    environment.reset({"target": 1, "prompt": "..."})
+    with pytest.raises(EnvironmentFailure, match=r"^Unscored.get_reward raised on val record 2: KeyError: 'count'$"):
+        episode_reward(environment, "val record 2")
+    with pytest.raises(EnvironmentFailure, match=r"^Unscored.reset raised on val record 2: TypeError: .*'target'$"):
+        reset_episode(environment, {"prompt": "..."}, "val record 2")
 
 
 class Broken(Environment):
@@ -232,11 +249,11 @@ class Broken(Environment):
         raise ZeroDivisionError("division by zero")
 
 
-def test_an_environment_that_raises_or_answers_wrongly_stops_the_run_in_one_line_naming_it_the_turn_and_the_row():
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.reset raised on train row 3: KeyError: 'missing'$"):
-        reset_episode(Broken(), {}, "train row 3")
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.step raised at turn 2 of train row 3: ZeroDivisionError: division by zero$"):
-        step_episode(Broken(), "1/0", 2, "train row 3")
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.step returned str at turn 1 of train row 3; it must return an Observation$"):
-        step_episode(Broken(), "text", 1, "train row 3")
+def test_an_environment_that_raises_or_answers_wrongly_stops_the_run_in_one_line_naming_it_the_turn_and_the_record():
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.reset raised on train record 3: KeyError: 'missing'$"):
+        reset_episode(Broken(), {}, "train record 3")
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.step raised at turn 2 of train record 3: ZeroDivisionError: division by zero$"):
+        step_episode(Broken(), "1/0", 2, "train record 3")
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.step returned str at turn 1 of train record 3; it must return an Observation$"):
+        step_episode(Broken(), "text", 1, "train record 3")
     assert ToolCall("multiply", {"a": 1}) == HermesCalls().parse(call("multiply", a=1))[0]

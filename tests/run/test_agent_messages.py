@@ -1,15 +1,18 @@
-"""What ``lit-cancel`` says when a user's environment is wrong: one line for an environment option that names nothing
-usable."""
+"""What ``lit-cancel`` says when a user's environment or its tools are wrong: one line naming the environment's class and
+method and the record by split and index, exit status 2 when found before training (a start-up check builds one
+environment; the validation before training runs the episodes), the step and checkpoint when a run that trained stops;
+and one line for an environment option that names nothing usable."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
-from test_run_messages import NOTHING_RUN
-from test_run_safety import console
+from test_run_messages import NOTHING_RUN, STOPPED_AT
+from test_run_safety import console, saved_step
 
 from lit_cancel import AdditionTask
-from lit_cancel.agents import Environment, Observation
+from lit_cancel.agents import Environment, Observation, ToolEnvironment, calculate
 
 ADDITION = {"num_digits": 5, "train_size": 8, "val_size": 4}
 # validation batches of 2: the third held-out record is the first of the second batch
@@ -53,6 +56,14 @@ class ResetRaises(Environment):
         return Observation("", done=True)
 
 
+class StepReturnsInt(Environment):
+    def reset(self, record):
+        return None
+
+    def step(self, action):
+        return len(action)
+
+
 class TRLCounter:
     """A TRL environment_factory whose reset reads a field that the third held-out record lacks."""
 
@@ -68,6 +79,37 @@ class TRLCounter:
         return by
 
 
+def undocumented(expression: str) -> str:
+    return expression
+
+
+class UndocumentedTool(ToolEnvironment):
+    def __init__(self):
+        super().__init__([undocumented])
+
+
+class OneToolTwice(ToolEnvironment):
+    def __init__(self):
+        super().__init__([calculate, calculate])
+
+
+class FailsInRound2(Environment):
+    """Its reset raises from the 5th episode on: round 1 (2 prompts x 2 episodes) trains step 1."""
+
+    resets = 0
+    failed_on = None
+
+    def reset(self, record):
+        FailsInRound2.resets += 1
+        if FailsInRound2.resets > 4:
+            FailsInRound2.failed_on = record["prompt"]
+            raise KeyError("secret")
+        return None
+
+    def step(self, action):
+        return Observation("", done=True)
+
+
 def untyped_factory():
     return ResetRaises()
 
@@ -78,6 +120,52 @@ def refusal(monkeypatch, capsys, *args: str) -> list[str]:
     assert status == 2, lines[-5:]
     assert not any("Traceback" in line for line in lines)
     return lines
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_an_environment_that_raises_in_the_validation_before_training_is_one_line_naming_its_method_and_record(
+        tmp_path, monkeypatch, capsys, command):
+    config = agent_config(tmp_path, {"environment": "test_agent_messages.ResetRaises"})
+    lines = refusal(monkeypatch, capsys, command, "--config", str(config))
+    assert lines[-2:] == [NOTHING_RUN, "error: ResetRaises.reset raised on val record 2: KeyError: 'secret'"]
+
+
+def test_a_step_that_returns_no_observation_is_one_line_naming_its_turn_and_record(tmp_path, monkeypatch, capsys):
+    config = agent_config(tmp_path, {"environment": "test_agent_messages.StepReturnsInt"})
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
+    assert lines[-2:] == [NOTHING_RUN, "error: StepReturnsInt.step returned int at turn 1 of val record 0; it must return an Observation"]
+
+
+def test_a_trl_environment_named_in_a_config_runs_and_its_failure_names_its_own_class(tmp_path, monkeypatch, capsys):
+    config = agent_config(tmp_path, {"trl_environment": "test_agent_messages.TRLCounter"})
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
+    assert lines[-2:] == [NOTHING_RUN, "error: TRLCounter.reset raised on val record 2: KeyError: 'secret'"]
+
+
+@pytest.mark.parametrize(("environment", "message"), [
+    ("UndocumentedTool", "UndocumentedTool raised at start-up: ValueError: tool undocumented: .*docstring"),
+    ("OneToolTwice", "OneToolTwice raised at start-up: ValueError: two tools are named calculate"),
+])
+def test_a_tool_mistake_is_refused_at_start_up_before_anything_runs(tmp_path, monkeypatch, capsys, environment, message):
+    validated = []
+    monkeypatch.setattr("lightning.pytorch.Trainer.validate", lambda *args, **kwargs: validated.append(True))
+    config = agent_config(tmp_path, {"environment": f"test_agent_messages.{environment}"})
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
+    assert lines[-2] == NOTHING_RUN and validated == []
+    assert re.fullmatch(f"error: the environment factory {message}.*", lines[-1]), lines[-1]
+
+
+def test_an_environment_failure_in_training_names_the_step_the_record_and_the_checkpoint_to_resume_from(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(FailsInRound2, "resets", 0)
+    config = agent_config(tmp_path, {"environment": "test_agent_messages.FailsInRound2"}, max_steps=4, limit_val_batches=0)
+    status, lines = console(monkeypatch, capsys, "fit", "--config", str(config))
+    last_ckpt = tmp_path / "agent" / "version_0" / "checkpoints" / "last.ckpt"
+    assert status == 1 and not any("Traceback" in line for line in lines)
+    index = [r["prompt"] for r in AdditionTask(**ADDITION).train_records()].index(FailsInRound2.failed_on)
+    assert lines[-3:] == [STOPPED_AT.format(1), f"error: FailsInRound2.reset raised on train record {index}: KeyError: 'secret'",
+                          f"the last good step is in {last_ckpt}"]
+    assert saved_step(last_ckpt) == 1
 
 
 EXPECTED_ENVIRONMENT = ("expected the import path (module.Name) of a subclass of Environment or a function with the return "
