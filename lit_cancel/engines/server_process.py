@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,9 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
+from lit_cancel.engines import server_watchdog
 from lit_cancel.engines.server_messages import LOADING, RolloutRequest
+from lit_cancel.engines.server_watchdog import stop_group
 
 # the routes a server must have, and what turns them on
 NEEDS = "vLLM's server with --enable-scale-out and VLLM_SERVER_DEV_MODE=1 (lit-cancel serve starts one so)"
@@ -39,6 +40,13 @@ HOW_TO_START = "start one with: lit-cancel serve --config CONFIG --port PORT (or
 # how often a watched call's server is probed at most, and how long a probe may take at most
 _PROBE_EVERY = 2.0
 _PROBE_TIMEOUT = 10.0
+# seconds a server's processes get to stop after SIGTERM, before SIGKILL
+STOP_GRACE = 10.0
+# the longest folder whose unix sockets vLLM can bind: it names one by the folder, "/" and a uuid (36 characters), and
+# a unix socket's address holds 107 bytes
+_LONGEST_SOCKET_FOLDER = 107 - 37
+# the watchdog of each server started here, by the server's process id
+_watchdogs: dict[int, subprocess.Popen] = {}
 
 
 class ServerError(ConnectionError):
@@ -250,53 +258,40 @@ def server_environment(cpus: list[int] | None) -> dict[str, str]:
     return environment
 
 
-def start_server(command: list[str], cpus: list[int] | None, log_path: str) -> subprocess.Popen:
-    """Starts a server in its own process group (on ``cpus`` when given), its output in ``log_path``; :func:`stop_server`
-    stops it."""
+def start_server(command: list[str], cpus: list[int] | None, log_path: str, folder: str | None = None,
+                 grace: float = STOP_GRACE) -> subprocess.Popen:
+    """Starts a server in its own process group (on ``cpus`` when given), its output in ``log_path``, with a watchdog that
+    stops the group once this process is gone, however it ended (:mod:`~lit_cancel.engines.server_watchdog`: SIGTERM, then
+    SIGKILL after ``grace`` seconds); :func:`stop_server` stops both.
+
+    ``folder``, a folder the server owns, holds its temporary files (``TMPDIR``: vLLM's unix sockets and its
+    ``vllm_dist_*`` files), where the sockets' paths fit in a unix socket address (else they stay in this process's
+    ``TMPDIR``); the watchdog removes it with the server, the caller after :func:`stop_server`."""
+    environment = server_environment(cpus)
+    if folder is not None and len(os.fsencode(temporary := os.path.join(folder, "tmp"))) <= _LONGEST_SOCKET_FOLDER:
+        os.makedirs(temporary, exist_ok=True)
+        environment["TMPDIR"] = temporary
     log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(
-        command, env=server_environment(cpus), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
+    process = subprocess.Popen(
+        command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
     )
+    watchdog = [sys.executable, "-I", server_watchdog.__file__, str(os.getpid()), str(process.pid), str(grace)]
+    _watchdogs[process.pid] = subprocess.Popen(
+        watchdog + ([folder] if folder is not None else []), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return process
 
 
-def _group_alive(group: int) -> bool:
-    """Whether a process of the process group ``group`` runs (zombies waiting to be reaped do not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rpartition(")")[2].split()  # after the command's name, which may hold spaces
-            if int(fields[2]) == group and fields[0] != "Z":
-                return True
-    return False
-
-
-# a killed process ends when it is next scheduled, not when kill() returns: on a busy CPU that takes a moment
-_SECONDS_TO_DIE_OF_SIGKILL = 10.0
-
-
-def stop_server(process: subprocess.Popen, grace: float = 10.0) -> None:
+def stop_server(process: subprocess.Popen, grace: float = STOP_GRACE) -> None:
     """Stops a server :func:`start_server` started, with every process of its group that still runs (vLLM's engine core,
     its workers, its resource tracker), also when the server's own process has ended already: SIGTERM, then SIGKILL to
-    those left after ``grace`` seconds."""
-    _signal_group(process.pid, signal.SIGTERM)
-    if not _wait_until_stopped(process, grace):
-        _signal_group(process.pid, signal.SIGKILL)
-        _wait_until_stopped(process, _SECONDS_TO_DIE_OF_SIGKILL)
-
-
-def _signal_group(group: int, signal_number: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal_number)
-
-
-def _wait_until_stopped(process: subprocess.Popen, seconds: float) -> bool:
-    """Whether ``process`` and every process of its group ended within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while process.poll() is None or _group_alive(process.pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    those left after ``grace`` seconds; then its watchdog."""
+    stop_group(process.pid, grace, running=lambda: process.poll() is None)
+    if (watchdog := _watchdogs.pop(process.pid, None)) is not None:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def wait_until_healthy(client: ServerClient, process: subprocess.Popen | None, seconds: float, log_path: str | None) -> None:
