@@ -42,6 +42,11 @@ _PROBE_EVERY = 2.0
 _PROBE_TIMEOUT = 10.0
 # seconds a server's processes get to stop after SIGTERM, before SIGKILL
 STOP_GRACE = 10.0
+# the folder of a fit's run, set by lit_cancel.run.folders: reserved by a new fit's first process for the processes of its
+# other ranks, and the folder the fit holds locked while it runs; every process of a server that a trainer starts carries it
+# as SERVER_OF_RUN_VARIABLE
+RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
+SERVER_OF_RUN_VARIABLE = "LIT_CANCEL_SERVER_OF_RUN"
 # the longest folder whose unix sockets vLLM can bind: it names one by the folder, "/" and a uuid (36 characters), and
 # a unix socket's address holds 107 bytes
 _LONGEST_SOCKET_FOLDER = 107 - 37
@@ -266,11 +271,15 @@ def start_server(command: list[str], cpus: list[int] | None, log_path: str, fold
 
     ``folder``, a folder the server owns, holds its temporary files (``TMPDIR``: vLLM's unix sockets and its
     ``vllm_dist_*`` files), where the sockets' paths fit in a unix socket address (else they stay in this process's
-    ``TMPDIR``); the watchdog removes it with the server, the caller after :func:`stop_server`."""
+    ``TMPDIR``); the watchdog removes it with the server, the caller after :func:`stop_server`. The server's processes carry the
+    run folder this process trains in (:data:`RUN_FOLDER_VARIABLE`, where set), by which a later run of that folder finds a
+    server left running (:func:`stop_servers_left_by`)."""
     environment = server_environment(cpus)
     if folder is not None and len(os.fsencode(temporary := os.path.join(folder, "tmp"))) <= _LONGEST_SOCKET_FOLDER:
         os.makedirs(temporary, exist_ok=True)
         environment["TMPDIR"] = temporary
+    if run_folder := os.environ.get(RUN_FOLDER_VARIABLE):
+        environment[SERVER_OF_RUN_VARIABLE] = run_folder
     log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     process = subprocess.Popen(
@@ -292,6 +301,34 @@ def stop_server(process: subprocess.Popen, grace: float = STOP_GRACE) -> None:
     if (watchdog := _watchdogs.pop(process.pid, None)) is not None:
         watchdog.kill()
         watchdog.wait()
+
+
+def servers_left_by(run_folder: Path) -> dict[int, int]:
+    """The process groups of the servers that a trainer of ``run_folder`` started (:func:`start_server`) and that still
+    run on this machine, with how many processes each has."""
+    mark = f"{SERVER_OF_RUN_VARIABLE}={run_folder.resolve()}".encode()
+    groups: dict[int, int] = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a process that ended, or another user's
+            if mark in environ.read_bytes().split(b"\0"):
+                fields = (environ.parent / "stat").read_text().rpartition(")")[2].split()
+                if fields[0] != "Z":
+                    groups[int(fields[2])] = groups.get(int(fields[2]), 0) + 1
+    return groups
+
+
+def stop_servers_left_by(run_folder: Path) -> str | None:
+    """Stops the servers that an earlier trainer of ``run_folder`` started and left running (:func:`servers_left_by`: its
+    watchdog could not stop them); returns the line that says so, None when there were none."""
+    groups = servers_left_by(run_folder)
+    for group in groups:
+        stop_group(group, STOP_GRACE)
+    if not groups:
+        return None
+    processes = sum(groups.values())
+    return (f"stopped a vLLM server that an earlier run of {run_folder} launched and left running "
+            f"({processes} process{'es' if processes > 1 else ''}, process group{'s' if len(groups) > 1 else ''} "
+            f"{', '.join(map(str, groups))})")
 
 
 def wait_until_healthy(client: ServerClient, process: subprocess.Popen | None, seconds: float, log_path: str | None) -> None:

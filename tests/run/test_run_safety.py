@@ -23,10 +23,13 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lit_cancel.engines import server_process
+from lit_cancel.engines.server_process import RUN_FOLDER_VARIABLE, start_server, stop_server
+from lit_cancel.engines.server_watchdog import group_alive
 from lit_cancel.run import commands
 from lit_cancel.run.checkpointing import _host
 from lit_cancel.run.cli import run_cli
-from lit_cancel.run.folders import LOCK_FILE, reserve_logger_version, reserve_version
+from lit_cancel.run.folders import LOCK_FILE, RunFolderLock, reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -567,3 +570,38 @@ def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_tak
     other_node = config()
     assert reserve_logger_version(other_node) == [] and other_node.trainer.logger.init_args.version is None
     assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0", "version_1"]
+
+
+def test_a_run_of_a_folder_stops_the_server_an_earlier_run_of_it_launched_and_left_running_and_says_so(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "runs" / "tiny" / "version_0"
+    folder.mkdir(parents=True)
+    # a server with a child in its group (vLLM's engine core), printing once it started the child
+    command = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(300)']); print('started', flush=True); time.sleep(300)"]
+    servers = {}
+    for run in (folder, tmp_path / "runs" / "tiny" / "version_1"):  # one launched by a run of this folder, one by another's
+        monkeypatch.setenv(RUN_FOLDER_VARIABLE, str(run.resolve()))
+        servers[run] = start_server(command, None, str(tmp_path / f"{run.name}.log"))
+    monkeypatch.delenv(RUN_FOLDER_VARIABLE)
+    left, other = servers.values()
+    watchdog = server_process._watchdogs.pop(left.pid)  # killed with its trainer: nothing stopped the server
+    watchdog.kill()
+    watchdog.wait()
+    logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                       init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=0))
+    lock = RunFolderLock()
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{run.name}.log").read_text() == "started\n" for run in servers):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        lock.take(Namespace(trainer=Namespace(logger=logger, callbacks=[])))
+        assert not group_alive(left.pid) and group_alive(other.pid)
+        assert (f"stopped a vLLM server that an earlier run of {folder} launched and left running (2 processes, process group "
+                f"{left.pid})") in caplog.text
+        assert os.environ[RUN_FOLDER_VARIABLE] == str(folder.resolve())  # the mark of the server this run may launch
+    finally:
+        lock.release()
+        for server in servers.values():
+            stop_server(server, grace=0)
+    assert RUN_FOLDER_VARIABLE not in os.environ
