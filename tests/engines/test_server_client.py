@@ -293,7 +293,7 @@ def mistakes(folder: Path) -> list[tuple[list[str], str]]:
     (folder / "list.yaml").write_text("- model\n")
     (folder / "no-model.yaml").write_text(f"model:\n  init_args:\n    model_path: {folder / 'missing'}\n")
     (folder / "bad-dtype.yaml").write_text("model:\n  init_args:\n    dtype: float33\n")
-    config = str(CONFIGS / "quickstart.yaml")
+    config, server_config = str(CONFIGS / "quickstart.yaml"), str(CONFIGS / "quickstart-server.yaml")
     cores = sorted(os.sched_getaffinity(0))
     return [
         ([], "lit-cancel serve: the following arguments are required: --config"),
@@ -307,6 +307,14 @@ def mistakes(folder: Path) -> list[tuple[list[str], str]]:
         (["--config", config, "--cpus", str(cores[-1] + 1)], f"--cpus {cores[-1] + 1}: no core {cores[-1] + 1} here; this process may use cores"),
         (["--config", config, "--cpus", "abc"], "--cpus abc: expected comma-separated core numbers"),
         (["--config", config, "--port", "abc"], "lit-cancel serve: argument --port: invalid int value: 'abc'"),
+        # fit's overrides of the model, refused as fit refuses them
+        (["--config", config, "--model.init_args.model_path", str(folder / "missing")],
+         f"--config {config} --model.init_args.model_path={folder / 'missing'}: model.init_args.model_path='{folder / 'missing'}' does not exist"),
+        (["--config", config, "--model.init_args.modle_path=/x"], "model.init_args.modle_path: lit_cancel.RLModule has no option 'modle_path'"),
+        (["--config", server_config, "--model.init_args.engine.init_args.max_model_len=abc"],
+         "model.init_args.engine.init_args.max_model_len: Expected a <class 'int'>. Got value: abc"),
+        (["--config", config, "--model.init_args.model_path", "--port", "8000"],
+         "--model.init_args.model_path: expected a value, e.g. --model.init_args.model_path=VALUE"),
     ]
 
 
@@ -362,3 +370,15 @@ def test_serve_runs_vllms_server_on_the_configs_model_with_its_engine_settings_u
     setup.load()
     assert dict(zip(command := setup.command(), command[1:]))["--max-model-len"] == "128"
 
+
+def test_serve_applies_fits_overrides_of_the_model_and_passes_the_other_options_on_to_vllm(tmp_path):
+    model = tmp_path / "adder"
+    shutil.copytree(resolve_model_path("embedded:tiny-adder"), model)
+    key = "--model.init_args.engine.init_args"
+    setup = ServeSetup(["--config", str(CONFIGS / "quickstart-server.yaml"), "--model.init_args.model_path", str(model),
+                        f"{key}.max_model_len=128", "--max-num-seqs", "64", f"{key}.kv_cache_memory_bytes", "33554432"])
+    setup.load()
+    command = setup.command()
+    options = dict(zip(command, command[1:]))
+    assert (options["--model"], options["--max-model-len"], options["--kv-cache-memory-bytes"]) == (str(model), "128", "33554432")
+    assert options["--max-num-seqs"] == "64" and not [word for word in command if word.startswith("--model.")]
