@@ -104,8 +104,9 @@ def test_a_call_to_a_server_that_restarted_at_its_url_fails_as_soon_as_the_resta
         label[0] = "run/4"
         assert client.label() == "run/4" and client.holds_own
         answered = []
-        threading.Thread(target=lambda: answered.append(client.label(timeout=30)), daemon=True).start()
-        time.sleep(0.5)
+        asking = threading.Thread(target=lambda: answered.append(client.label(timeout=30)), daemon=True)
+        asking.start()
+        asking.join(60)  # the call's own timeout is 30 s
         assert answered == ["run/4"]
 
 

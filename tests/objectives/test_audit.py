@@ -260,6 +260,6 @@ def test_console_command_exit_status_and_a_module_in_the_current_directory(tmp_p
         "class Mine(PolicyGradient):\n    def __init__(self):\n        super().__init__(clip=NoClip(), normaliser=ConstantLength(16))\n"
     )
     for name, code in [("DFPOOrth", 0), ("GSPO", 1), ("my_objectives.Mine", 0), ("my_objectives.Missing", 2)]:
-        result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert result.returncode == code, result.stderr
         assert code == 2 or "learning tax of " + name in result.stdout
