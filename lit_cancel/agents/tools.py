@@ -61,6 +61,11 @@ class CallFormat(ABC):
     def render(self, results: list[ToolResult]) -> str:
         """The observation that shows ``results`` to the policy."""
 
+    def for_tools(self, schemas: list[dict]) -> "CallFormat":
+        """This format for an environment whose tools have ``schemas`` (what :class:`ToolEnvironment` uses); itself
+        where the calls name their arguments."""
+        return self
+
 
 class HermesCalls(CallFormat):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, answered by ``<tool_response>`` blocks between
@@ -102,14 +107,29 @@ class ColonCalls(CallFormat):
     """One call per turn, written ``name: argument`` and answered `` = result`` on the same line: a format short enough
     for a small model to learn from scratch (the embedded agent's). A turn without a colon calls no tool.
 
+    The text after the colon fills one parameter of the tool called: in an environment (:meth:`for_tools`), a tool's
+    parameter named ``argument`` where it has one, else its first required parameter, whatever its name; unbound, or
+    for a name that is no tool, ``argument``.
+
     Args:
-        argument: the parameter of the tools that the text after the colon fills.
+        argument: the parameter the text after the colon fills where a tool has one of that name.
     """
 
     NAME = re.compile(r"[A-Za-z_]\w*")
 
     def __init__(self, argument: str = "expression"):
         self.argument = argument
+        self.parameters: dict[str, str] = {}
+
+    def for_tools(self, schemas: list[dict]) -> "ColonCalls":
+        bound = ColonCalls(self.argument)
+        for schema in schemas:
+            parameters = schema["function"]["parameters"]
+            names = list(parameters.get("properties", {}))
+            required = [name for name in names if name in parameters.get("required", [])]
+            if self.argument not in names and (required or names):
+                bound.parameters[schema["function"]["name"]] = (required or names)[0]
+        return bound
 
     def parse(self, text: str) -> list[ToolCall]:
         if ":" not in text:
@@ -117,7 +137,7 @@ class ColonCalls(CallFormat):
         name, argument = (part.strip() for part in text.split(":", 1))
         if not self.NAME.fullmatch(name):
             raise MalformedCall(f"{name!r} before the colon is not a tool's name")
-        return [ToolCall(name, {self.argument: argument})]
+        return [ToolCall(name, {self.parameters.get(name, self.argument): argument})]
 
     def render(self, results: list[ToolResult]) -> str:
         return "".join(f" {'' if result.failed else '= '}{result.text}\n" for result in results)
@@ -213,7 +233,7 @@ class ToolEnvironment(Environment):
                              f"{timeout}, {max_output_chars}, {max_calls_per_turn}")
         self.schemas = tool_schemas(tools)
         self.tools = {tool.__name__: tool for tool in tools}
-        self.calls = calls if calls is not None else HermesCalls()
+        self.calls = (calls if calls is not None else HermesCalls()).for_tools(self.schemas)
         self.timeout, self.max_output_chars, self.max_calls_per_turn = timeout, max_output_chars, max_calls_per_turn
 
     def reset(self, record: Record) -> str | None:

@@ -8,6 +8,7 @@ import pytest
 
 from lit_cancel import AdditionTask
 from lit_cancel.agents import (
+    ColonCalls,
     Environment,
     EnvironmentFailure,
     EnvironmentTask,
@@ -160,6 +161,42 @@ def test_an_output_cut_or_not_utf8_is_counted_as_a_faulty_output_and_a_failed_ca
     # an error cut at 40 characters is a failed call, not a faulty output
     observation = environment.step(call("fails", reason="x" * 100))
     assert (observation.tool_calls, observation.tool_errors, observation.tool_output_faults) == (1, 1, 0)
+
+
+def test_a_colon_call_fills_the_called_tools_own_parameter_whatever_its_name():
+    def lookup(key: str) -> str:
+        """Looks a key up.
+
+        Args:
+            key: what to look up.
+        """
+        return {"pi": "3.14"}[key]
+
+    def calculate(expression: str) -> str:
+        """Evaluates a sum.
+
+        Args:
+            expression: two numbers with a plus.
+        """
+        return str(sum(int(part) for part in expression.split("+")))
+
+    def pad(text: str, width: int = 8) -> str:
+        """Pads a text.
+
+        Args:
+            text: what to pad.
+            width: how wide.
+        """
+        return text.rjust(width, ".")
+
+    environment = ToolEnvironment([lookup, calculate, pad, multiply], ColonCalls())
+    assert environment.step("lookup: pi") == Observation(" = 3.14\n", tool_calls=1)
+    assert environment.step("calculate: 2+3") == Observation(" = 5\n", tool_calls=1)
+    assert environment.step("pad: ab") == Observation(" = ......ab\n", tool_calls=1)
+    # one text cannot fill two required parameters: the policy reads the error
+    assert environment.step("multiply: 3").tool_errors == 1
+    assert ColonCalls().parse("lookup: pi") == [ToolCall("lookup", {"expression": "pi"})], "unbound, the text fills `argument`"
+    assert ColonCalls("key").for_tools(environment.schemas).parse("lookup: pi") == [ToolCall("lookup", {"key": "pi"})]
 
 
 def test_calls_past_the_limit_of_a_turn_are_answered_with_an_error_and_not_run(environment):
