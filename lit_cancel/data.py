@@ -3,6 +3,7 @@
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
@@ -39,9 +40,11 @@ class TaskDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__} uses the tokenizer of the LightningModule it feeds: attach both to a Trainer first")
         return self.trainer.lightning_module.tokenizer
 
-    def encode_prompts(self, records: list[Record]) -> dict:
-        """Left-padded prompt ids and mask of ``records``."""
-        return encode_prompts(self.tokenizer, records)
+    def val_batch(self, numbered: list[tuple[int, Record]]) -> dict:
+        """A validation batch of ``(index, record)`` pairs: left-padded prompt ids and mask, the records, and their
+        ``indices`` among the task's held-out records (for messages that name a record)."""
+        indices, records = zip(*numbered, strict=True)
+        return encode_prompts(self.tokenizer, list(records)) | {"indices": list(indices)}
 
     def drift_probes(self, count: int) -> list[dict]:
         """Up to ``count`` held-out prompts with their reference solutions, for ``SolutionProbabilityDriftMonitor``: the
@@ -62,7 +65,7 @@ class TaskDataModule(L.LightningDataModule):
         return longest_prompt + self.task.new_tokens_limit(max_new_tokens)[0]
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.task.val_records(), batch_size=self.val_batch_size, collate_fn=self.encode_prompts)
+        return DataLoader(list(enumerate(self.task.val_records())), batch_size=self.val_batch_size, collate_fn=self.val_batch)
 
 
 class _NextMiniBatch:
@@ -310,7 +313,10 @@ class RolloutDataModule(TaskDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores the counters and this process's rollouts (none at the end of a round: such a checkpoint resumes
-        on any number of processes); :meth:`check_resume` first."""
+        on any number of processes); :meth:`check_resume` first. Nothing is restored under a trainer that runs other than
+        ``fit`` (``validate --ckpt_path`` loads every state of the checkpoint): it samples no rounds, whatever their sizes."""
+        if self.trainer is not None and self.trainer.state.fn not in (None, TrainerFn.FITTING):
+            return
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         self.check_resume(state_dict, self._objective(), world)
         processes = _per_process(state_dict)

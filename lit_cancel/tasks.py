@@ -8,10 +8,12 @@ the embedded :class:`AdditionTask` and :class:`MathWordTask` for GSM8K-style fil
 """
 
 import json
+import logging
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import Tensor
@@ -64,6 +66,11 @@ class Task(ABC):
         """Where record ``index`` of ``split`` (``"train"`` or ``"val"``) comes from, for messages."""
         return f"{split} record {index}"
 
+    def check_startup(self) -> None:
+        """Builds what the task's rollouts need beyond its records (an agent task's environment), so that a mistake in
+        it fails at start-up: ValueError in one line. Nothing here."""
+        return None
+
     def demonstration(self, record: Record, rng: random.Random) -> list[tuple[str, str]]:
         """A rollout that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn is
         trained and closed by EOS, observations are not): here one of the task's solutions, drawn by ``rng``, as one turn."""
@@ -80,11 +87,12 @@ class Task(ABC):
         return [{"prompt": r["prompt"], "solutions": self.solutions(r)} for r in self.val_records()[:count]]
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
-                greedy: bool = False) -> Generation:
+                greedy: bool = False, names: Sequence[str] | None = None) -> Generation:
         """``num_samples`` rollouts of each of ``records`` by ``policy`` (a :class:`~lit_cancel.rounds.sample.RolloutPolicy`),
         whose prompts ``input_ids`` holds left-padded: here one
         completion each by ``policy.rollout``; an :class:`~lit_cancel.agents.AgentTask` runs an episode of several
-        turns against its environment instead."""
+        turns against its environment instead. ``names`` says how messages name each record (``"val record 3"``,
+        :func:`~lit_cancel.rounds.draw.record_names`), by its place in ``records`` when None."""
         return policy.rollout(input_ids, attention_mask, num_samples, greedy)
 
 
@@ -278,6 +286,19 @@ def _not_utf8_because(file: Path) -> str | None:
     return None
 
 
+@contextmanager
+def _loader_errors_unlogged() -> Iterator[None]:
+    """Keeps the loaders of ``datasets`` from logging why they cannot read a file: the task raises its own message, which
+    names the file's line (:func:`_unreadable_because`) where theirs names a row counted from 0."""
+    loaders = logging.getLogger("datasets.packaged_modules")
+    level = loaders.level
+    loaders.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        loaders.setLevel(level)
+
+
 def _row_lines(file: Path) -> list[str]:
     """How each row of ``file`` is named in messages: its line in a jsonl file (1-based, blank lines counted), else its row."""
     if file.suffix == ".jsonl":
@@ -398,7 +419,8 @@ class MathWordTask(Task):
         if builder == "json" and (not_utf8 := _not_utf8_because(file)):
             raise ValueError(f"MathWordTask: data file {path!r} {not_utf8}")
         try:
-            rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+            with _loader_errors_unlogged():
+                rows = datasets.load_dataset(builder, data_files=str(file), split="train")
         except Exception as error:
             fields = (self.question_field, self.answer_field)
             raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error, fields)}") from error

@@ -6,7 +6,10 @@ stop token removed) and answers with text; the episode keeps every token as it w
 ever tokenized twice (:mod:`lit_cancel.agents`).
 """
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lit_cancel.tasks import Record
@@ -22,12 +25,15 @@ class Observation:
         done: the episode is over: the environment takes no more turns.
         tool_calls: tool calls the turn made.
         tool_errors: of those, the calls that failed (raised, timed out, were malformed or named no tool).
+        tool_output_faults: of those, the calls whose output the policy read repaired (cut at the longest output read,
+            or not UTF-8).
     """
 
     text: str
     done: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_output_faults: int = 0
 
 
 class Environment(ABC):
@@ -60,36 +66,68 @@ class Environment(ABC):
         task's reward scores the episode."""
         return None
 
+    def method_name(self, method: str) -> str:
+        """How messages name this environment's ``method`` (``"reset"``, ``"step"``, ``"reward"``): ``Class.method``; an
+        environment that adapts one written for another framework names the class and method its user wrote."""
+        return f"{type(self).__name__}.{method}"
+
 
 class EnvironmentFailure(RuntimeError):
-    """An environment's ``reset`` or ``step`` raised, or answered with something else than it must: the run stops, in
-    one line naming the environment, the method, the turn and the record."""
+    """An environment's factory, ``reset``, ``step`` or ``reward`` raised, or answered with something else than it must:
+    one line naming the environment, the method, the turn and the record (``"val record 3"``)."""
+
+
+def factory_name(make: Callable[[], object]) -> str:
+    """How messages name an environment factory: a class's or a function's qualified name (``MyEnvironment``,
+    ``MyTask.environment``); for a ``functools.partial``, what it calls, or the class it builds where jsonargparse made it
+    (a class named in a config is a partial of jsonargparse's instantiator and the class)."""
+    while isinstance(make, functools.partial):
+        classes = [argument for argument in make.args if inspect.isclass(argument)]
+        make = classes[0] if classes and getattr(make.func, "__module__", "").startswith("jsonargparse") else make.func
+    return (getattr(make, "__qualname__", None) or type(make).__name__).rpartition("<locals>.")[2]
+
+
+def new_environment(make: Callable[[], Environment], when: str) -> Environment:
+    """``make()``, checked: an :class:`Environment`, else :class:`EnvironmentFailure` naming the factory and ``when``
+    (``"at start-up"``, ``"for val record 3"``)."""
+    try:
+        environment = make()
+    except Exception as error:
+        raise EnvironmentFailure(
+            f"the environment factory {factory_name(make)} raised {when}: {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(environment, Environment):
+        raise EnvironmentFailure(
+            f"the environment factory {factory_name(make)} returned {type(environment).__name__} {when}; it must return an "
+            "Environment (lit_cancel.agents.Environment)"
+        )
+    return environment
 
 
 def reset_episode(environment: Environment, record: Record, where: str) -> str | None:
     """``environment.reset(record)``, checked: a text or None, else :class:`EnvironmentFailure` naming ``where`` (the
-    record, e.g. ``"train row 12"``)."""
-    name = type(environment).__name__
+    record, e.g. ``"train record 12"``)."""
+    name = environment.method_name("reset")
     try:
         text = environment.reset(record)
     except Exception as error:
-        raise EnvironmentFailure(f"{name}.reset raised on {where}: {type(error).__name__}: {error}") from error
+        raise EnvironmentFailure(f"{name} raised on {where}: {type(error).__name__}: {error}") from error
     if text is not None and not isinstance(text, str):
-        raise EnvironmentFailure(f"{name}.reset returned {type(text).__name__} on {where}; it must return text or None")
+        raise EnvironmentFailure(f"{name} returned {type(text).__name__} on {where}; it must return text or None")
     return text
 
 
 def step_episode(environment: Environment, action: str, turn: int, where: str) -> Observation:
     """``environment.step(action)`` at turn ``turn`` (1 for the first), checked: an :class:`Observation`, else
     :class:`EnvironmentFailure` naming the turn and ``where``."""
-    name = type(environment).__name__
+    name = environment.method_name("step")
     try:
         observation = environment.step(action)
     except Exception as error:
-        raise EnvironmentFailure(f"{name}.step raised at turn {turn} of {where}: {type(error).__name__}: {error}") from error
+        raise EnvironmentFailure(f"{name} raised at turn {turn} of {where}: {type(error).__name__}: {error}") from error
     if not isinstance(observation, Observation):
         raise EnvironmentFailure(
-            f"{name}.step returned {type(observation).__name__} at turn {turn} of {where}; it must return an Observation"
+            f"{name} returned {type(observation).__name__} at turn {turn} of {where}; it must return an Observation"
         )
     return observation
 
@@ -100,4 +138,6 @@ def episode_reward(environment: Environment, where: str) -> object:
     try:
         return environment.reward()
     except Exception as error:
-        raise EnvironmentFailure(f"{type(environment).__name__}.reward raised on {where}: {type(error).__name__}: {error}") from error
+        raise EnvironmentFailure(
+            f"{environment.method_name('reward')} raised on {where}: {type(error).__name__}: {error}"
+        ) from error

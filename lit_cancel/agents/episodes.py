@@ -11,14 +11,14 @@ An episode ends when the environment says it is done, after ``max_turns`` turns,
 ``max_episode_tokens`` (its last turn or observation cut there).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_cancel.agents.environment import Environment, EnvironmentFailure, episode_reward, reset_episode, step_episode
+from lit_cancel.agents.environment import Environment, episode_reward, new_environment, reset_episode, step_episode
 from lit_cancel.rounds.sample import Generation, padded
 from lit_cancel.rounds.score import checked_reward
 from lit_cancel.tasks import Record
@@ -61,6 +61,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_output_faults: int = 0
     turn_steps: list[int] = field(default_factory=list)
     ending: str | None = None
 
@@ -72,12 +73,13 @@ class Episode:
 
 def run_episodes(policy, make_environment: Callable[[], Environment], limits: EpisodeLimits, records: list[Record],
                  input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                 where: Callable[[int], str] = lambda index: f"record {index}") -> Generation:
+                 names: Sequence[str] | None = None) -> Generation:
     """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
     turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
 
     ``policy`` is a :class:`~lit_cancel.rounds.sample.RolloutPolicy`; ``make_environment`` makes one environment per
-    episode; ``where(i)`` names record ``i`` in the messages of a failing environment. Rows are ordered as
+    episode; ``names[i]`` names record ``i`` in the messages of a failing environment (``"val record 3"``,
+    :func:`~lit_cancel.rounds.draw.record_names`; ``"record i"`` when None). Rows are ordered as
     ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
     transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave
     none); ``stats`` the episodes' ``rollout/...`` statistics (:func:`episode_stats`) and the engine's.
@@ -85,13 +87,12 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     tokenizer, device = policy.tokenizer, input_ids.device
     episodes = []
     for index, (record, ids, mask) in enumerate(zip(records, input_ids.cpu(), attention_mask.cpu(), strict=True)):
+        where = names[index] if names is not None else f"record {index}"
         for _ in range(num_samples):
-            environment = make_environment()
-            if not isinstance(environment, Environment):
-                raise EnvironmentFailure(f"the environment factory returned {type(environment).__name__}, not an Environment")
-            opening = reset_episode(environment, record, where(index))
+            environment = new_environment(make_environment, f"for {where}")
+            opening = reset_episode(environment, record, where)
             prompt = ids[mask.bool()].tolist() + (tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else [])
-            episodes.append(Episode(prompt, environment, where(index)))
+            episodes.append(Episode(prompt, environment, where))
 
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)
@@ -116,7 +117,7 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     rewards = []
     for episode in episodes:
         reward = episode_reward(episode.environment, episode.where)
-        source = f"{type(episode.environment).__name__}.reward"
+        source = episode.environment.method_name("reward")
         rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
     return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
                          engine_stats | episode_stats(episodes))
@@ -144,6 +145,7 @@ def take_turn(episode: Episode, generation: Generation, row: int, turn: int, las
     observation = step_episode(episode.environment, generation.texts[row], turn, episode.where)
     episode.tool_calls += observation.tool_calls
     episode.tool_errors += observation.tool_errors
+    episode.tool_output_faults += observation.tool_output_faults
     if observation.done:
         episode.ending = "done"
         return
@@ -194,7 +196,7 @@ def padded_floats(rows: list[list[float]], width: int) -> Tensor:
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:
     """``rollout/...`` statistics of the episodes.
 
-    ``turns`` per episode; ``tool_calls`` and ``tool_errors`` per episode; ``env_token_share``, the environment's
+    ``turns`` per episode; ``tool_calls``, ``tool_errors`` and ``tool_output_faults`` per episode; ``env_token_share``, the environment's
     share of the tokens after the prompts; ``frac_turn_limit``, episodes that ran out of turns; ``frac_turn_cut``,
     turns cut at ``max_turn_tokens``; ``frac_episode_cut``, episodes cut at ``max_episode_tokens``;
     ``frac_truncated``, episodes cut by either token limit (as a single-turn completion cut at ``max_new_tokens``);
@@ -210,6 +212,7 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "rollout/turns": turns / count,
         "rollout/tool_calls": sum(e.tool_calls for e in episodes) / count,
         "rollout/tool_errors": sum(e.tool_errors for e in episodes) / count,
+        "rollout/tool_output_faults": sum(e.tool_output_faults for e in episodes) / count,
         "rollout/env_token_share": environment_tokens / max(all_tokens, 1),
         "rollout/frac_turn_limit": endings["turn_limit"],
         "rollout/frac_turn_cut": sum(e.ending == "turn_cut" for e in episodes) / max(turns, 1),

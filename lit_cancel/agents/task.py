@@ -8,12 +8,12 @@ episode's turns and observations as text.
 
 import random
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.agents.environment import Environment
+from lit_cancel.agents.environment import Environment, EnvironmentFailure, new_environment
 from lit_cancel.agents.episodes import EpisodeLimits, run_episodes
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import from_trl_factory
@@ -45,6 +45,24 @@ class AgentTask(Task):
     def environment(self) -> Environment:
         """A new environment for one episode."""
 
+    @property
+    def environment_factory(self) -> Callable[[], Environment]:
+        """What makes each episode's environment, as messages name it: :meth:`environment`."""
+        return self.environment
+
+    def check_environment(self) -> Environment:
+        """One environment, built as an episode builds it, so that a factory that raises (a tool without a docstring, two
+        tools of one name) or makes something else than an :class:`Environment` fails at start-up: returns it, or raises
+        :class:`~lit_cancel.agents.EnvironmentFailure` naming the factory."""
+        return new_environment(self.environment_factory, "at start-up")
+
+    def check_startup(self) -> None:
+        """:meth:`check_environment`, its failure as ValueError."""
+        try:
+            self.check_environment()
+        except EnvironmentFailure as error:
+            raise ValueError(str(error)) from error
+
     def demonstration(self, record: Record, rng: random.Random) -> Demonstration:
         """One episode that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn
         is trained and closed by EOS, observations are not); the task's first solution as one turn by default."""
@@ -62,14 +80,9 @@ class AgentTask(Task):
         )
 
     def rollout(self, policy, records: list[Record], input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1,
-                greedy: bool = False) -> Generation:
-        return run_episodes(policy, self.environment, self.limits, records, input_ids, attention_mask, num_samples, greedy,
-                            where=lambda index: f"the episode of prompt {shortened(records[index]['prompt'])!r}")
-
-
-def shortened(text: str, limit: int = 80) -> str:
-    """``text``, its middle cut where it is longer than ``limit`` characters (a chat-template prompt runs long)."""
-    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 2:]}"
+                greedy: bool = False, names: Sequence[str] | None = None) -> Generation:
+        return run_episodes(policy, self.environment_factory, self.limits, records, input_ids, attention_mask, num_samples,
+                            greedy, names)
 
 
 class EnvironmentTask(AgentTask):
@@ -78,7 +91,8 @@ class EnvironmentTask(AgentTask):
     Args:
         task: where records come from; its ``reward(record, transcript)`` and ``correct`` score episodes whose
             environment gives no reward.
-        environment: a callable that makes one :class:`Environment` per episode (a class, or a function returning one).
+        environment: a callable that makes one :class:`Environment` per episode (a class, or a function returning one;
+            one named in a config needs the return type hint ``-> Environment``).
         trl_environment: instead, a TRL ``environment_factory``: a callable returning one object per episode whose
             public methods are the tools, whose ``reset(**record)`` may return text, and whose optional
             ``get_reward()`` scores the episode (:class:`~lit_cancel.agents.TRLEnvironment`).
@@ -104,8 +118,10 @@ class EnvironmentTask(AgentTask):
             max_turns: 4
     """
 
+    # trl_environment takes a type too: jsonargparse reads a class path as a Callable only where the class is the return
+    # type's or its instances are callable, and a TRL environment is neither
     def __init__(self, task: Task, environment: Callable[[], Environment] | None = None,
-                 trl_environment: Callable[[], object] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
+                 trl_environment: type | Callable[[], object] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
                  max_episode_tokens: int = 512, tool_timeout: float | None = None, chat_template: str | None = None,
                  call_format: CallFormat | None = None) -> None:
         super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
@@ -133,6 +149,10 @@ class EnvironmentTask(AgentTask):
     def environment(self) -> Environment:
         return self.make()
 
+    @property
+    def environment_factory(self) -> Callable[[], Environment]:
+        return self.make
+
     def train_records(self) -> list[Record]:
         return self.task.train_records() if self.chat_template is None else self.chat_records()["train"]
 
@@ -144,7 +164,7 @@ class EnvironmentTask(AgentTask):
         fields are the task's, so that its reward and correctness read them unchanged."""
         if not self.rendered:
             tokenizer = chat_tokenizer(self.chat_template)
-            tools = getattr(self.make(), "schemas", None) or None
+            tools = getattr(self.check_environment(), "schemas", None) or None
             self.rendered = {split: [{**record, "prompt": chat_prompt(tokenizer, record["prompt"], tools)} for record in records]
                              for split, records in (("train", self.task.train_records()), ("val", self.task.val_records()))}
         return self.rendered

@@ -5,11 +5,12 @@ templates read them), so a tool without a docstring that describes each argument
 built. A :class:`CallFormat` finds the calls in a turn's text and renders their results; :class:`HermesCalls` is the
 ``<tool_call>`` JSON format of Qwen2.5's chat template.
 
-Every fault of a tool is an observation the policy reads, counted in ``tool_errors``, and never stops the run: a tool
-that raises (its exception's type and message), one that does not answer within ``timeout`` seconds (it is left running
-in a daemon thread and its late result dropped), a malformed call, a call to no tool, an output longer than
-``max_output_chars`` (cut, and said so) or that is not UTF-8 (decoded with replacement characters, control characters
-dropped).
+Every fault of a tool is an observation the policy reads and never stops the run. A call that fails is answered with
+the error and counted in ``tool_errors``: a tool that raises (its exception's type and message), one that does not
+answer within ``timeout`` seconds (it is left running in a daemon thread and its late result dropped), a malformed call,
+a call to no tool. An output that the policy reads repaired is counted in ``tool_output_faults``: one longer than
+``max_output_chars`` (cut, and said so) or that is not UTF-8 (decoded with replacement characters). Control characters
+other than newline and tab are dropped from every output.
 """
 
 import json
@@ -35,11 +36,13 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a call gave: the text the policy reads, and whether the call failed."""
+    """What a call gave: the text the policy reads, whether the call failed (the text is its error), and whether its
+    output reached the policy repaired (cut at ``max_output_chars``, or not UTF-8)."""
 
     name: str
     text: str
     failed: bool = False
+    faulty_output: bool = False
 
 
 class MalformedCall(ValueError):
@@ -57,6 +60,11 @@ class CallFormat(ABC):
     @abstractmethod
     def render(self, results: list[ToolResult]) -> str:
         """The observation that shows ``results`` to the policy."""
+
+    def for_tools(self, schemas: list[dict]) -> "CallFormat":
+        """This format for an environment whose tools have ``schemas`` (what :class:`ToolEnvironment` uses); itself
+        where the calls name their arguments."""
+        return self
 
 
 class HermesCalls(CallFormat):
@@ -99,14 +107,29 @@ class ColonCalls(CallFormat):
     """One call per turn, written ``name: argument`` and answered `` = result`` on the same line: a format short enough
     for a small model to learn from scratch (the embedded agent's). A turn without a colon calls no tool.
 
+    The text after the colon fills one parameter of the tool called: in an environment (:meth:`for_tools`), a tool's
+    parameter named ``argument`` where it has one, else its first required parameter, whatever its name; unbound, or
+    for a name that is no tool, ``argument``.
+
     Args:
-        argument: the parameter of the tools that the text after the colon fills.
+        argument: the parameter the text after the colon fills where a tool has one of that name.
     """
 
     NAME = re.compile(r"[A-Za-z_]\w*")
 
     def __init__(self, argument: str = "expression"):
         self.argument = argument
+        self.parameters: dict[str, str] = {}
+
+    def for_tools(self, schemas: list[dict]) -> "ColonCalls":
+        bound = ColonCalls(self.argument)
+        for schema in schemas:
+            parameters = schema["function"]["parameters"]
+            names = list(parameters.get("properties", {}))
+            required = [name for name in names if name in parameters.get("required", [])]
+            if self.argument not in names and (required or names):
+                bound.parameters[schema["function"]["name"]] = (required or names)[0]
+        return bound
 
     def parse(self, text: str) -> list[ToolCall]:
         if ":" not in text:
@@ -114,25 +137,33 @@ class ColonCalls(CallFormat):
         name, argument = (part.strip() for part in text.split(":", 1))
         if not self.NAME.fullmatch(name):
             raise MalformedCall(f"{name!r} before the colon is not a tool's name")
-        return [ToolCall(name, {self.argument: argument})]
+        return [ToolCall(name, {self.parameters.get(name, self.argument): argument})]
 
     def render(self, results: list[ToolResult]) -> str:
         return "".join(f" {'' if result.failed else '= '}{result.text}\n" for result in results)
 
 
-def cleaned(value: object, max_chars: int) -> str:
+def cleaned(value: object, max_chars: int) -> tuple[str, bool]:
     """A tool's output as the text the policy reads: bytes decoded as UTF-8 with replacement characters, control
-    characters other than newline and tab dropped, and at most ``max_chars`` characters (the cut said so)."""
-    text = value.decode("utf-8", errors="replace") if isinstance(value, bytes | bytearray) else str(value)
+    characters other than newline and tab dropped, and at most ``max_chars`` characters (the cut said so); and whether
+    it was faulty (bytes that are not UTF-8, or longer than ``max_chars``)."""
+    faulty = False
+    if isinstance(value, bytes | bytearray):
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text, faulty = value.decode("utf-8", errors="replace"), True
+    else:
+        text = str(value)
     text = "".join(c for c in text if c in "\n\t" or c.isprintable())
     if len(text) > max_chars:
-        text = f"{text[:max_chars]}... [{len(text) - max_chars} more characters cut]"
-    return text
+        text, faulty = f"{text[:max_chars]}... [{len(text) - max_chars} more characters cut]", True
+    return text, faulty
 
 
-def call_tool(function: Callable, arguments: dict, timeout: float, max_chars: int) -> tuple[str, bool]:
-    """``function(**arguments)`` in a daemon thread: ``(text, failed)``. A call that raises gives its exception; one that
-    runs past ``timeout`` seconds is left running and reported."""
+def call_tool(function: Callable, arguments: dict, timeout: float, max_chars: int) -> tuple[str, bool, bool]:
+    """``function(**arguments)`` in a daemon thread: ``(text, failed, faulty_output)``. A call that raises gives its
+    exception; one that runs past ``timeout`` seconds is left running and reported; an output is :func:`cleaned`."""
     outcome: dict = {}
 
     def run():
@@ -145,11 +176,12 @@ def call_tool(function: Callable, arguments: dict, timeout: float, max_chars: in
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        return f"error: {function.__name__} did not answer within {timeout:g} s", True
+        return f"error: {function.__name__} did not answer within {timeout:g} s", True, False
     if "error" in outcome:
         error = outcome["error"]
-        return cleaned(f"error: {type(error).__name__}: {error}", max_chars), True
-    return cleaned(outcome["value"], max_chars), False
+        return cleaned(f"error: {type(error).__name__}: {error}", max_chars)[0], True, False
+    text, faulty = cleaned(outcome["value"], max_chars)
+    return text, False, faulty
 
 
 def tool_schemas(tools: list[Callable]) -> list[dict]:
@@ -201,7 +233,7 @@ class ToolEnvironment(Environment):
                              f"{timeout}, {max_output_chars}, {max_calls_per_turn}")
         self.schemas = tool_schemas(tools)
         self.tools = {tool.__name__: tool for tool in tools}
-        self.calls = calls if calls is not None else HermesCalls()
+        self.calls = (calls if calls is not None else HermesCalls()).for_tools(self.schemas)
         self.timeout, self.max_output_chars, self.max_calls_per_turn = timeout, max_output_chars, max_calls_per_turn
 
     def reset(self, record: Record) -> str | None:
@@ -217,12 +249,12 @@ class ToolEnvironment(Environment):
         results = [self.run(call) if index < self.max_calls_per_turn else
                    ToolResult(call.name, f"error: at most {self.max_calls_per_turn} tool calls a turn", failed=True)
                    for index, call in enumerate(calls)]
-        return Observation(self.calls.render(results), tool_calls=len(results), tool_errors=sum(r.failed for r in results))
+        return Observation(self.calls.render(results), tool_calls=len(results), tool_errors=sum(r.failed for r in results),
+                           tool_output_faults=sum(r.faulty_output for r in results))
 
     def run(self, call: ToolCall) -> ToolResult:
         """One call's result; a call to no tool is an error the policy reads."""
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolResult(call.name, f"error: no tool is named {call.name!r}; the tools are {', '.join(sorted(self.tools))}", True)
-        text, failed = call_tool(tool, call.arguments, self.timeout, self.max_output_chars)
-        return ToolResult(call.name, text, failed)
+        return ToolResult(call.name, *call_tool(tool, call.arguments, self.timeout, self.max_output_chars))

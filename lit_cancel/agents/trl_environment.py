@@ -4,12 +4,14 @@ TRL's shape: a callable returns one environment instance per rollout; the instan
 docstrings) are the tools; ``reset(**row)`` gets the dataset row's fields and returns None or text appended to the
 prompt; an optional ``get_reward()`` scores the finished rollout from the instance's state. :func:`from_trl_factory`
 turns such a callable into a factory of :class:`TRLEnvironment`, which runs the tools as :class:`ToolEnvironment`
-runs any (timeouts, capped output, errors the policy reads) and owns the reward where ``get_reward`` is defined.
+runs any (timeouts, capped output, errors the policy reads) and owns the reward where ``get_reward`` is defined. Messages
+name the TRL class and its methods (``MyEnv.reset``, ``MyEnv.get_reward``), not the adapter.
 """
 
 import inspect
 from collections.abc import Callable
 
+from lit_cancel.agents.environment import factory_name
 from lit_cancel.agents.tools import CallFormat, ToolEnvironment
 from lit_cancel.tasks import Record
 
@@ -45,9 +47,20 @@ class TRLEnvironment(ToolEnvironment):
         get_reward = getattr(self.instance, "get_reward", None)
         return None if get_reward is None else get_reward()
 
+    def method_name(self, method: str) -> str:
+        if method in ("reset", "reward"):
+            return f"{type(self.instance).__name__}.{'get_reward' if method == 'reward' else method}"
+        return super().method_name(method)
+
 
 def from_trl_factory(factory: Callable[[], object], **options) -> Callable[[], TRLEnvironment]:
     """A factory of :class:`TRLEnvironment`, one new TRL instance each; ``options`` as :class:`TRLEnvironment` takes them.
-    One instance is built at once, so a factory whose tools lack docstrings is refused before training starts."""
-    TRLEnvironment(factory(), **options)
-    return lambda: TRLEnvironment(factory(), **options)
+    It bears the name of ``factory``, which messages give. A start-up check builds one
+    (:meth:`~lit_cancel.agents.AgentTask.check_environment`), so that a factory whose tools lack docstrings is refused
+    before anything runs."""
+
+    def make() -> TRLEnvironment:
+        return TRLEnvironment(factory(), **options)
+
+    make.__qualname__ = factory_name(factory)
+    return make

@@ -7,6 +7,7 @@
 * :mod:`~lit_cancel.engines.vllm_colocated`: ``VLLMEngine``, a vLLM engine in the training process.
 * :mod:`~lit_cancel.engines.vllm_servers`: ``VLLMServerEngine``, vLLM servers the weights are pushed to, with
   :mod:`~lit_cancel.engines.server_process` (starting a server, its HTTP client),
+  :mod:`~lit_cancel.engines.server_watchdog` (stopping a server's processes, also once its trainer was killed),
   :mod:`~lit_cancel.engines.server_messages` (a request and its result) and
   :mod:`~lit_cancel.engines.launched_server` (a server the trainer starts itself).
 * :mod:`~lit_cancel.engines.vllm_common`: what both vLLM engines share (sampling options, seeds, weights, KV cache).

@@ -47,8 +47,9 @@ def kv_cache_options(server_args: list[str]) -> dict:
 
 
 class LaunchedServer:
-    """One vLLM server on 127.0.0.1 for the policy: started from a folder holding its configuration, tokenizer and
-    weights, stopped with every process of its group; while it runs the trainer's process may keep to ``trainer_cpus``.
+    """One vLLM server on 127.0.0.1 for the policy: started from a folder holding its configuration, tokenizer, weights
+    and temporary files, stopped with every process of its group (by its watchdog when the trainer's process was killed);
+    while it runs the trainer's process may keep to ``trainer_cpus``.
 
     Args:
         server_cpus: the server's CPU cores; None: vLLM's own choice.
@@ -102,7 +103,7 @@ class LaunchedServer:
         port = free_port()
         command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, self.server_args)
         log_path = os.path.join(folder, "server.log")
-        self.process = start_server(command, self.server_cpus, log_path)
+        self.process = start_server(command, self.server_cpus, log_path, folder)
         if self.trainer_cpus:
             self._trainer_placement = os.sched_getaffinity(0), torch.get_num_threads()
             os.sched_setaffinity(0, self.trainer_cpus)

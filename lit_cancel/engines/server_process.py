@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,9 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
+from lit_cancel.engines import server_watchdog
 from lit_cancel.engines.server_messages import LOADING, RolloutRequest
+from lit_cancel.engines.server_watchdog import stop_group
 
 # the routes a server must have, and what turns them on
 NEEDS = "vLLM's server with --enable-scale-out and VLLM_SERVER_DEV_MODE=1 (lit-cancel serve starts one so)"
@@ -39,6 +40,18 @@ HOW_TO_START = "start one with: lit-cancel serve --config CONFIG --port PORT (or
 # how often a watched call's server is probed at most, and how long a probe may take at most
 _PROBE_EVERY = 2.0
 _PROBE_TIMEOUT = 10.0
+# seconds a server's processes get to stop after SIGTERM, before SIGKILL
+STOP_GRACE = 10.0
+# the folder of a fit's run, set by lit_cancel.run.folders: reserved by a new fit's first process for the processes of its
+# other ranks, and the folder the fit holds locked while it runs; every process of a server that a trainer starts carries it
+# as SERVER_OF_RUN_VARIABLE
+RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
+SERVER_OF_RUN_VARIABLE = "LIT_CANCEL_SERVER_OF_RUN"
+# the longest folder whose unix sockets vLLM can bind: it names one by the folder, "/" and a uuid (36 characters), and
+# a unix socket's address holds 107 bytes
+_LONGEST_SOCKET_FOLDER = 107 - 37
+# the watchdog of each server started here, by the server's process id
+_watchdogs: dict[int, subprocess.Popen] = {}
 
 
 class ServerError(ConnectionError):
@@ -250,53 +263,72 @@ def server_environment(cpus: list[int] | None) -> dict[str, str]:
     return environment
 
 
-def start_server(command: list[str], cpus: list[int] | None, log_path: str) -> subprocess.Popen:
-    """Starts a server in its own process group (on ``cpus`` when given), its output in ``log_path``; :func:`stop_server`
-    stops it."""
+def start_server(command: list[str], cpus: list[int] | None, log_path: str, folder: str | None = None,
+                 grace: float = STOP_GRACE) -> subprocess.Popen:
+    """Starts a server in its own process group (on ``cpus`` when given), its output in ``log_path``, with a watchdog that
+    stops the group once this process is gone, however it ended (:mod:`~lit_cancel.engines.server_watchdog`: SIGTERM, then
+    SIGKILL after ``grace`` seconds); :func:`stop_server` stops both.
+
+    ``folder``, a folder the server owns, holds its temporary files (``TMPDIR``: vLLM's unix sockets and its
+    ``vllm_dist_*`` files), where the sockets' paths fit in a unix socket address (else they stay in this process's
+    ``TMPDIR``); the watchdog removes it with the server, the caller after :func:`stop_server`. The server's processes carry the
+    run folder this process trains in (:data:`RUN_FOLDER_VARIABLE`, where set), by which a later run of that folder finds a
+    server left running (:func:`stop_servers_left_by`)."""
+    environment = server_environment(cpus)
+    if folder is not None and len(os.fsencode(temporary := os.path.join(folder, "tmp"))) <= _LONGEST_SOCKET_FOLDER:
+        os.makedirs(temporary, exist_ok=True)
+        environment["TMPDIR"] = temporary
+    if run_folder := os.environ.get(RUN_FOLDER_VARIABLE):
+        environment[SERVER_OF_RUN_VARIABLE] = run_folder
     log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(
-        command, env=server_environment(cpus), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
+    process = subprocess.Popen(
+        command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
     )
+    watchdog = [sys.executable, "-I", server_watchdog.__file__, str(os.getpid()), str(process.pid), str(grace)]
+    _watchdogs[process.pid] = subprocess.Popen(
+        watchdog + ([folder] if folder is not None else []), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return process
 
 
-def _group_alive(group: int) -> bool:
-    """Whether a process of the process group ``group`` runs (zombies waiting to be reaped do not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rpartition(")")[2].split()  # after the command's name, which may hold spaces
-            if int(fields[2]) == group and fields[0] != "Z":
-                return True
-    return False
-
-
-# a killed process ends when it is next scheduled, not when kill() returns: on a busy CPU that takes a moment
-_SECONDS_TO_DIE_OF_SIGKILL = 10.0
-
-
-def stop_server(process: subprocess.Popen, grace: float = 10.0) -> None:
+def stop_server(process: subprocess.Popen, grace: float = STOP_GRACE) -> None:
     """Stops a server :func:`start_server` started, with every process of its group that still runs (vLLM's engine core,
     its workers, its resource tracker), also when the server's own process has ended already: SIGTERM, then SIGKILL to
-    those left after ``grace`` seconds."""
-    _signal_group(process.pid, signal.SIGTERM)
-    if not _wait_until_stopped(process, grace):
-        _signal_group(process.pid, signal.SIGKILL)
-        _wait_until_stopped(process, _SECONDS_TO_DIE_OF_SIGKILL)
+    those left after ``grace`` seconds; then its watchdog."""
+    stop_group(process.pid, grace, running=lambda: process.poll() is None)
+    if (watchdog := _watchdogs.pop(process.pid, None)) is not None:
+        watchdog.kill()
+        watchdog.wait()
 
 
-def _signal_group(group: int, signal_number: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal_number)
+def servers_left_by(run_folder: Path) -> dict[int, int]:
+    """The process groups of the servers that a trainer of ``run_folder`` started (:func:`start_server`) and that still
+    run on this machine, with how many processes each has."""
+    mark = f"{SERVER_OF_RUN_VARIABLE}={run_folder.resolve()}".encode()
+    groups: dict[int, int] = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a process that ended, or another user's
+            if mark in environ.read_bytes().split(b"\0"):
+                fields = (environ.parent / "stat").read_text().rpartition(")")[2].split()
+                if fields[0] != "Z":
+                    groups[int(fields[2])] = groups.get(int(fields[2]), 0) + 1
+    return groups
 
 
-def _wait_until_stopped(process: subprocess.Popen, seconds: float) -> bool:
-    """Whether ``process`` and every process of its group ended within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while process.poll() is None or _group_alive(process.pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+def stop_servers_left_by(run_folder: Path) -> str | None:
+    """Stops the servers that an earlier trainer of ``run_folder`` started and left running (:func:`servers_left_by`: its
+    watchdog could not stop them); returns the line that says so, None when there were none."""
+    groups = servers_left_by(run_folder)
+    for group in groups:
+        stop_group(group, STOP_GRACE)
+    if not groups:
+        return None
+    processes = sum(groups.values())
+    return (f"stopped a vLLM server that an earlier run of {run_folder} launched and left running "
+            f"({processes} process{'es' if processes > 1 else ''}, process group{'s' if len(groups) > 1 else ''} "
+            f"{', '.join(map(str, groups))})")
 
 
 def wait_until_healthy(client: ServerClient, process: subprocess.Popen | None, seconds: float, log_path: str | None) -> None:

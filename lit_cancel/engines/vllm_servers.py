@@ -112,7 +112,7 @@ class VLLMServerEngine(RolloutEngine):
     answering at its URL: :class:`~lit_cancel.engines.server_process.ServerClient`) is given up and sent to the next
     server; when none answered for ``server_timeout`` seconds the run stops with an error naming the servers
     (the run's checkpoint callback saves ``last.ckpt``). A launched server is stopped with all its processes
-    when the engine closes, at the latest when the trainer's process ends.
+    when the engine closes, at the latest (by its watchdog) when the trainer's process ends, even by kill -9.
 
     Logged each round: ``rollout/staleness`` and ``rollout/staleness_max`` (rounds between the weights
     that sampled a group and the round that trains it), ``rollout/queue_depth`` (draws sampled ahead,

@@ -41,6 +41,7 @@ per-sequence normaliser counts each member's policy tokens, unequal in both, and
 
 import argparse
 import copy
+import difflib
 import importlib
 import os
 import sys
@@ -250,6 +251,13 @@ def audit(objective: Objective) -> dict[str, ScenarioAudit]:
     return results
 
 
+def nearest_preset(name: str) -> str | None:
+    """The preset whose name, or old name, is closest to ``name`` (case aside), or None when none is close."""
+    names = {preset.lower(): preset for preset in PRESETS} | OLD_NAMES
+    close = difflib.get_close_matches(name.lower(), names, n=1)
+    return names[close[0]] if close else None
+
+
 def load_objective(name_or_class_path: str) -> Objective:
     """A preset by name (``DFPOMin``, or its old name ``dfpo_min``) or any objective class by import path, built with no arguments.
 
@@ -261,11 +269,18 @@ def load_objective(name_or_class_path: str) -> Objective:
         factory = PRESETS[name]
     else:
         module_name, _, class_name = name_or_class_path.rpartition(".")
+        nearest = nearest_preset(class_name) if module_name.partition(".")[0] in ("", "lit_cancel") else None
+        did_you_mean = f"; did you mean {nearest}?" if nearest else ""
+        if not module_name:
+            raise ValueError(
+                f"{name_or_class_path!r} is neither a preset ({', '.join(PRESETS)}) nor a class path such as "
+                f"my_package.objectives.MyObjective{did_you_mean}"
+            )
         try:
             factory = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError) as error:
             raise ValueError(
-                f"{name_or_class_path!r} is neither a preset ({', '.join(PRESETS)}) nor an importable class path: {error}"
+                f"{name_or_class_path!r} is neither a preset ({', '.join(PRESETS)}) nor an importable class path: {error}{did_you_mean}"
             ) from error
     try:
         objective = factory()

@@ -10,6 +10,7 @@ optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business (:m
 """
 
 import concurrent.futures
+import functools
 import random
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.engines import SampleRequest
 from lit_cancel.engines.base import in_background
 from lit_cancel.rounds.advantages import advantaged_rows
-from lit_cancel.rounds.draw import draw_records
+from lit_cancel.rounds.draw import draw_indices, record_names
 from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, sample_groups
 from lit_cancel.rounds.score import score_groups
 from lit_cancel.rounds.staleness import Staleness
@@ -82,9 +83,15 @@ class RolloutProducer:
         self.stopping = threading.Event()
         self.cannot_learn = CannotLearnWarnings()
 
+    def draw_indices(self, draw: int, rank: int, world: int) -> list[int]:
+        """Which of the task's training records are the prompts of draw ``draw`` for process ``rank``
+        (:func:`~lit_cancel.rounds.draw.draw_indices`)."""
+        return draw_indices(len(self.task.train_records()), draw, self.prompts_per_round, rank, world, self.seed)
+
     def draw_records(self, draw: int, rank: int, world: int) -> list[Record]:
-        """The prompts of draw ``draw`` for process ``rank`` (:func:`~lit_cancel.rounds.draw.draw_records`)."""
-        return draw_records(self.task.train_records(), draw, self.prompts_per_round, rank, world, self.seed)
+        """The prompts of draw ``draw`` for process ``rank`` (:meth:`draw_indices`)."""
+        records = self.task.train_records()
+        return [records[index] for index in self.draw_indices(draw, rank, world)]
 
     def seed_of(self, rank: int, *keys: int) -> int:
         """A seed for ``keys`` (a draw, a round) on process ``rank``, from the producer's seed."""
@@ -131,9 +138,10 @@ class RolloutProducer:
             synced = policy.sync_engine()
         for later in staleness.later_draws(draw):
             self.prefetch(policy, processes, later, staleness.oldest_step(processes.step(), rounds_ahead=later - draw))
-        records = self.draw_records(draw, processes.rank, processes.world)
+        indices = self.draw_indices(draw, processes.rank, processes.world)
+        records = [self.task.train_records()[index] for index in indices]
         generation, seconds = sample_groups(policy, self.task.rollout, records, self.group_size, self.seed_of(processes.rank, draw),
-                                            sampled_ahead=ahead)
+                                            sampled_ahead=ahead, names=record_names(self.task, "train", indices))
         rewards, correct = score_groups(self.task, records, self.group_size, generation)
         batch = advantaged_rows(policy, generation, rewards, correct, self.group_size,
                                 first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,
@@ -152,7 +160,9 @@ class RolloutProducer:
         elif draw not in self.ahead:
             # a task that calls the engine several times (an agent's turns, the environment answering between them)
             ahead = AheadPolicy(policy, oldest_step, random.Random(self.seed_of(processes.rank, draw)), self.stopping)
-            self.ahead[draw] = in_background(self.task.rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
+            names = record_names(self.task, "train", self.draw_indices(draw, processes.rank, processes.world))
+            rollout = functools.partial(self.task.rollout, names=names)
+            self.ahead[draw] = in_background(rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
                                              self.group_size)
 
     def stop(self, seconds: float = 10.0) -> None:

@@ -1,9 +1,10 @@
 """``LightningCLI`` with the project's modules and checks: what ``lit-cancel fit`` and ``lit-cancel validate`` run.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
-a checkpoint of the wrong kind, sizes that do not fit) raises :class:`~lit_cancel.run.errors.ConfigError`;
-a reward error, a run of non-finite steps or an I/O error during the run raises
-:class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint of the last good step.
+a checkpoint of the wrong kind, sizes that do not fit, an environment that fails to build or fails in the validation
+before training) raises :class:`~lit_cancel.run.errors.ConfigError`; a reward or environment error, a run of non-finite
+steps or an I/O error during the run raises :class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint
+of the last good step.
 """
 
 import argparse
@@ -11,7 +12,6 @@ import importlib
 import re
 import sys
 import warnings
-from contextlib import suppress
 from pathlib import Path
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -20,28 +20,22 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_cancel.agents.environment import EnvironmentFailure
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.float32_products import emulates_bf16
 from lit_cancel.rounds.score import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
 from lit_cancel.run.checks import check_checkpoint
 from lit_cancel.run.errors import ConfigError, RunError, config_file_problem, explain
-from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run
+from lit_cancel.run.folders import RunFolderLock, checkpoint_metadata, prepare_run, remove_reserved_folders
 from lit_cancel.run.log_errors import log_write_error, report_log_write_errors
 from lit_cancel.run.precision import AUTO, Trainer, auto_precision
 from lit_cancel.sharding import check_strategy, shards
 
-# other commands of ``lit-cancel``, listed under fit's and validate's --help
-OTHER_COMMANDS = (
-    "other commands: 'lit-cancel export' writes a checkpoint as a Hugging Face folder (LoRA adapters merged); "
-    "'lit-cancel audit-objective' measures the learning tax of an objective; 'lit-cancel serve' starts a vLLM rollout server "
-    "for a config's model; 'lit-cancel diagnose' names why a run is not learning, from its TensorBoard files. "
-    "Add --help to any of them for its options."
-)
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
-_RUN_ERRORS = (RewardError, FloatingPointError, OSError)
+_RUN_ERRORS = (RewardError, EnvironmentFailure, FloatingPointError, OSError)
 # argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -74,9 +68,8 @@ class LitCancelCLI(LightningCLI):
             super().__init__(*args, **kwargs)
         except BaseException:
             self.run_folder_lock.release(remove_files=bool(self.reserved_folders))
-            for folder in self.reserved_folders:
-                with suppress(OSError):
-                    folder.rmdir()  # only when empty: nothing was run in it
+            trainer = getattr(self, "trainer", None)
+            remove_reserved_folders(self.reserved_folders, trained=trainer is not None and trainer.global_step > 0)
             raise
         self.run_folder_lock.release()
 
@@ -119,6 +112,8 @@ class LitCancelCLI(LightningCLI):
                 message = config_file_problem(message, sys.argv[1:] if args is None else list(args))
             raise ConfigError(message) from error
         subcommand = self.config.get("subcommand")
+        if subcommand == "fit" and self.config.fit.trainer.get("max_steps") == 0:
+            raise ConfigError("trainer.max_steps must be >= 1 (the optimizer steps to train), got 0")
         if subcommand:
             try:
                 check_strategy(self.config[subcommand].trainer.strategy)  # before the Trainer, which refuses FSDP on a CPU
@@ -149,6 +144,8 @@ class LitCancelCLI(LightningCLI):
         except _RUN_ERRORS as error:
             if logs := log_write_error(self.trainer, error):
                 raise logs from error
+            if isinstance(error, EnvironmentFailure) and subcommand == "validate":
+                raise ConfigError(str(error)) from error  # validate trains nothing: the environment is bad input
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
     def check_reward(self) -> None:
@@ -159,6 +156,16 @@ class LitCancelCLI(LightningCLI):
             try:
                 check_reward(task)
             except RewardError as error:
+                raise ConfigError(str(error)) from error
+
+    def check_task(self) -> None:
+        """The task's own start-up check (:meth:`~lit_cancel.Task.check_startup`: an agent task builds one environment),
+        so that a factory that raises (a tool without a docstring, two tools of one name) fails before the run."""
+        task = getattr(self.datamodule, "task", None)
+        if task is not None:
+            try:
+                task.check_startup()
+            except ValueError as error:
                 raise ConfigError(str(error)) from error
 
     def check_trainer(self) -> None:
@@ -190,6 +197,7 @@ class LitCancelCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self.check_trainer()
+        self.check_task()
         self.check_reward()
         self.check_engine()
 
@@ -205,6 +213,7 @@ class LitCancelCLI(LightningCLI):
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
         self.check_trainer()
+        self.check_task()
         self.check_reward()
         self.check_engine()
         ckpt_path = self.config.fit.get("ckpt_path")
@@ -220,7 +229,10 @@ class LitCancelCLI(LightningCLI):
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         if ckpt_path is None:
-            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            try:
+                self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            except EnvironmentFailure as error:  # nothing has trained yet
+                raise ConfigError(str(error)) from error
 
 
 def _class(class_path: str) -> type:
@@ -241,6 +253,5 @@ def run_cli(args: list[str] | None = None) -> LitCancelCLI:
         trainer_defaults={"inference_mode": False},
         # a top-level --optimizer would silently replace the module's
         auto_configure_optimizers=False,
-        parser_kwargs={"epilog": OTHER_COMMANDS},
         args=args,
     )

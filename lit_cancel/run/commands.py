@@ -22,7 +22,16 @@ from lit_cancel.run.flags import spelled_as_defined
 from lit_cancel.run.log_errors import quiet_log_writer_threads
 
 DEBUG_VARIABLE = "LIT_CANCEL_DEBUG"
-COMMANDS = ("fit", "validate", "export", "audit-objective", "serve", "diagnose")
+# what each command does, as ``lit-cancel --help`` lists them
+COMMAND_SUMMARIES = {
+    "fit": "train a config's model with RL (--ckpt_path resumes a run)",
+    "validate": "measure the held-out accuracy of a config's model, or of a checkpoint (--ckpt_path)",
+    "export": "write a checkpoint as a Hugging Face folder (LoRA adapters merged)",
+    "audit-objective": "measure the learning tax of an objective",
+    "serve": "start a vLLM rollout server for a config's model",
+    "diagnose": "name why a run is not learning, from its TensorBoard files",
+}
+COMMANDS = tuple(COMMAND_SUMMARIES)
 # the module of each command other than fit and validate: its parser() and main(argv), which returns the exit status
 COMMAND_MODULES = {
     "export": "lit_cancel.run.export",
@@ -51,6 +60,18 @@ def quiet_dependencies() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: not record.getMessage().startswith("💡 Tip"))
 
 
+def parser() -> argparse.ArgumentParser:
+    """What ``lit-cancel --help`` prints: the commands, each with what it does."""
+    top = argparse.ArgumentParser(
+        prog="lit-cancel", description="Critic-free RL fine-tuning of language models with PyTorch Lightning.",
+        epilog=f"lit-cancel COMMAND --help lists the options of a command; {DEBUG_VARIABLE}=1 shows the traceback of an error.",
+    )
+    listed = top.add_subparsers(title="commands")
+    for name, summary in COMMAND_SUMMARIES.items():
+        listed.add_parser(name, help=summary)
+    return top
+
+
 def main() -> None:
     """The console script: LightningCLI's ``fit`` and ``validate``, ``export``, ``audit-objective``, ``serve``, ``diagnose``."""
     quiet_dependencies()
@@ -63,7 +84,10 @@ def main() -> None:
         if not command:
             raise ConfigError(f"lit-cancel needs a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} "
                               "(lit-cancel COMMAND --help lists its options)")
-        if command[0] not in COMMANDS and command[0] not in ("-h", "--help"):
+        if command[0] in ("-h", "--help"):
+            parser().print_help()
+            return
+        if command[0] not in COMMANDS:
             raise ConfigError(f"unknown command {command[0]!r}: the commands are {', '.join(COMMANDS[:-1])} and {COMMANDS[-1]} "
                               "(lit-cancel COMMAND --help lists its options)")
         if command[0] in COMMAND_MODULES:

@@ -13,6 +13,14 @@ from lit_cancel.objectives.policy_gradient import Objective
 
 # errors whose message is clear without the exception's type (jsonargparse's own, the project's checks)
 _MESSAGE_SAYS_ALL = (ValueError, TypeError, OSError, LookupError, ImportError, AttributeError, argparse.ArgumentError)
+# what jsonargparse says of a value it cannot use for an option typed as a Callable (a class or a function named by its
+# import path), and how the message says it
+_CALLABLE_PROBLEMS = (
+    (r"No module named '([^']+)'", "was not found: no module named '{0}' on the Python path"),
+    (r"module '([^']+)' has no attribute '([^']+)'", "was not found: module '{0}' has no attribute '{1}'"),
+    (r"Expected a dot import path string", "is not an import path"),
+    (r"Expected '[^']+' to be a subclass of <class '(\w+)'>", "is not a subclass of {0}"),
+)
 _PRESETS = [name for name, value in vars(presets).items()
             if isinstance(value, type) and issubclass(value, Objective) and value.__module__ == presets.__name__ and name[0] != "_"]
 
@@ -54,10 +62,38 @@ def config_file_problem(message: str, args: list[str]) -> str:
     return message
 
 
+def callable_problem(texts: list[str]) -> str | None:
+    """What is wrong with the value of an option typed as a Callable (a class or a function named by its import path,
+    as ``environment`` and ``trl_environment`` of an EnvironmentTask) and what was expected, from the messages of
+    jsonargparse's nested errors, outermost first; None where no such option failed."""
+    context = next((text for text in reversed(texts) if "Given value: " in text), "")
+    if "Callable[" not in context:
+        return None
+    given = re.findall(r"Given value: (.+)", context)[-1]
+    if untyped := re.search(r"Expected '[^']+' to be a function that returns <class '(\w+)'>", context):
+        kind = untyped[1]
+        return (f"{given} is a function without the return type hint -> {kind}, which the option needs to take it: add it "
+                f"(def {given.rpartition('.')[2]}() -> {kind}), or name a subclass of {kind}")
+    problem = next((said.format(*found.groups()) for pattern, said in _CALLABLE_PROBLEMS
+                    if (found := re.search(pattern, context))), None)
+    if problem is None:
+        return None
+    signature = re.search(r"Callable\[\[(.*?)\], ([\w.]+)\]", context)
+    if signature and signature[1]:
+        expected = "a function"
+    elif signature and signature[2] not in ("object", "typing.Any"):
+        kind = signature[2].rpartition(".")[2]
+        expected = f"a subclass of {kind} or a function with the return type hint -> {kind}"
+    else:
+        expected = "a class or a function"
+    return f"{given} {problem}; expected the import path (module.Name) of {expected}"
+
+
 def explain(error: BaseException) -> str:
     """One message from jsonargparse's nested errors: the option's dotted path, then the innermost message."""
-    path, last_class = [], None
+    path, last_class, texts = [], None, []
     while True:
+        texts.append(str(error))
         first_line = str(error).partition("\n")[0]
         key = re.match(r'Parser key "([^"]+)":', first_line)
         class_path = re.fullmatch(r"Problem with given class_path '(.+)':", first_line)
@@ -73,6 +109,7 @@ def explain(error: BaseException) -> str:
         error = cause
     innermost = error
     message = str(innermost) if isinstance(innermost, _MESSAGE_SAYS_ALL) else f"{type(innermost).__name__}: {innermost}"
+    message = callable_problem(texts) or message
     if "Does not validate against any of the Union subtypes" in message and (
         given := re.search(r"Problem with given class_path '(.+)':\s*\n\s*(.+)", message)
     ):

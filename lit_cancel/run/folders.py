@@ -10,9 +10,11 @@ import fcntl
 import importlib
 import os
 import re
+import shutil
 import socket
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -23,13 +25,12 @@ from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_info
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from lit_cancel.engines.server_process import RUN_FOLDER_VARIABLE, stop_servers_left_by
 from lit_cancel.run.checkpointing import incomplete_folder
 
 PLAIN_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 RUN_CHECKPOINT = "lit_cancel.RunCheckpoint"
 OVERWRITE_OPTION = "--overwrite true"
-# the run folder reserved by the first process of a new fit, for the processes of its other ranks
-RUN_FOLDER_VARIABLE = "LIT_CANCEL_RUN_FOLDER"
 # held (flock) by a fit while it runs, in each folder it writes; it names the process. The lock goes with the process,
 # kill -9 included, so a file left behind holds nothing.
 LOCK_FILE = ".lit-cancel.lock"
@@ -46,7 +47,8 @@ def prepare_run(config: Namespace, subcommand: str) -> list[Path]:
 
     A new ``fit`` whose logger picks its version (``version: null``) gets its ``version_N`` folder now
     (:func:`reserve_version`), so that runs started together in one folder get one each; the folders
-    made for it are returned, innermost first, for a caller that then runs nothing to remove.
+    made for it are returned, innermost first, for a caller whose run does not go through to remove
+    (:func:`remove_reserved_folders`).
     """
     for callback in _checkpoint_callbacks(config).values():
         if callback.class_path == PLAIN_MODEL_CHECKPOINT:
@@ -78,7 +80,9 @@ class RunFolderLock:
         self.held: dict[Path, int] = {}
 
     def take(self, config: Namespace) -> None:
-        """Locks the folder of the run of ``config``; ValueError naming the folder and the live run that holds it."""
+        """Locks the folder of the run of ``config``; ValueError naming the folder and the live run that holds it. Then
+        stops a vLLM server that an earlier run of the folder launched and left running (its trainer was killed, and the
+        server's watchdog too), and says so; the folder is the run's :data:`RUN_FOLDER_VARIABLE`."""
         if not _first_process():
             return
         for option, folder in _written_folders(config).items():
@@ -98,6 +102,9 @@ class RunFolderLock:
             os.ftruncate(descriptor, 0)
             os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
             self.held[folder] = descriptor
+            if stopped := stop_servers_left_by(folder):
+                rank_zero_info(stopped)
+            os.environ[RUN_FOLDER_VARIABLE] = str(folder.resolve())
 
     def release(self, remove_files: bool = False) -> None:
         """Unlocks every folder held; ``remove_files`` also removes the lock files (for folders about to be removed)."""
@@ -105,6 +112,8 @@ class RunFolderLock:
             if remove_files:
                 (folder / LOCK_FILE).unlink(missing_ok=True)
             os.close(descriptor)
+        if self.held:
+            os.environ.pop(RUN_FOLDER_VARIABLE, None)
         self.held = {}
 
 
@@ -198,6 +207,22 @@ def reserve_logger_version(config: Namespace) -> list[Path]:
     folder = runs / _version_folder(logger.version)
     os.environ[RUN_FOLDER_VARIABLE] = str(folder.resolve())
     return [folder, *made]
+
+
+def remove_reserved_folders(reserved: list[Path], trained: bool) -> None:
+    """Removes the folders :func:`reserve_logger_version` made for a new run that did not go through (``reserved``,
+    innermost first): its ``version_N`` folder when empty, or, when the run stopped before it ``trained`` a step, with
+    the files it wrote there (its config, the logs of the validation before fit) unless one is a checkpoint; then each
+    folder made above it that is empty. The files of other runs are never in these folders but in folders above them,
+    which go only when empty."""
+    if not reserved:
+        return
+    run, *above = reserved
+    if not trained and not any(run.rglob("*.ckpt")):
+        shutil.rmtree(run, ignore_errors=True)
+    for folder in [run, *above]:
+        with suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 def _runs_folder(logger: Namespace) -> Path:

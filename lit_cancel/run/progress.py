@@ -1,6 +1,7 @@
 """A rich progress bar that counts optimizer steps and shows the reward, for runs with one endless epoch."""
 
 import math
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,9 +34,16 @@ class StepProgressBar(RichProgressBar):
     ``running``. Validation rows are Lightning's. The columns (description, a short bar, the time
     remaining, the metrics) fit an 80-column terminal with the default metrics.
 
+    Outside a terminal (output to a file, a CI log), where rich does not draw the bar, it prints
+    one line every ``print_every_n_steps`` optimizer steps and at the run's last step, with the
+    numbers the bar shows, the time a step took since the previous line and the time left at
+    that pace::
+
+        step 20/30  reward 0.617  acc 0.617  86.7 s/step  14:27 left
+
     With ``trainer.enable_progress_bar: false`` the ``lit-cancel`` command drops this callback
-    from the configured callbacks (Lightning refuses a progress bar callback otherwise). Outside a
-    terminal (CI logs) rich prints the bar once, when training ends.
+    from the configured callbacks (Lightning refuses a progress bar callback otherwise), and
+    neither the bar nor the lines are shown.
 
     Args:
         metrics: ``{label: logged metric name}`` to show, in order; a metric not logged yet is
@@ -44,6 +52,8 @@ class StepProgressBar(RichProgressBar):
         leave: keep each epoch's finished bar on screen.
         theme: rich styles of the bar's parts.
         console_kwargs: arguments of rich's ``Console``.
+        print_every_n_steps: outside a terminal, print a line every this many optimizer steps
+            (and at the last); 0 prints none.
 
     Example::
 
@@ -57,11 +67,20 @@ class StepProgressBar(RichProgressBar):
         leave: bool = False,
         theme: RichProgressBarTheme | None = None,
         console_kwargs: dict[str, Any] | None = None,
+        print_every_n_steps: int = 10,
     ) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme or RichProgressBarTheme(), console_kwargs=console_kwargs)
         self.metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
         if not all(isinstance(label, str) and isinstance(name, str) and name for label, name in self.metrics.items()):
             raise ValueError(f"StepProgressBar: metrics must map labels to logged metric names, got {metrics!r}")
+        if isinstance(print_every_n_steps, bool) or not isinstance(print_every_n_steps, int) or print_every_n_steps < 0:
+            raise ValueError(
+                f"StepProgressBar: print_every_n_steps must be a whole number >= 0 (0 prints no lines), got {print_every_n_steps!r}"
+            )
+        self.print_every_n_steps = print_every_n_steps
+        self._prints_lines = False
+        # the step and time of the last printed line (of the start of training before the first)
+        self._last_line: tuple[int, float] = (0, 0.0)
 
     @property
     @override
@@ -93,6 +112,42 @@ class StepProgressBar(RichProgressBar):
         return columns
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        console = self._console
+        # rich draws the bar live on a terminal and on Jupyter; elsewhere only once, as training ends
+        draws_live = console is not None and (console.is_jupyter or (console.is_terminal and not console.is_dumb_terminal))
+        self._prints_lines = self.is_enabled and console is not None and not draws_live and self.print_every_n_steps > 0
+        self._last_line = (trainer.global_step, time.monotonic())
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # the last step, wherever the run stopped, unless its line was printed already
+        if self._prints_lines and trainer.global_step > self._last_line[0]:
+            self._print_line(trainer, pl_module)
+
+    def _print_line(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        step, now = trainer.global_step, time.monotonic()
+        seconds_per_step = (now - self._last_line[1]) / (step - self._last_line[0])
+        self._last_line = (step, now)
+        self._console.out(self.progress_line(trainer, pl_module, seconds_per_step), highlight=False)
+
+    def progress_line(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", seconds_per_step: float) -> str:
+        """``step N/total``, the bar's metrics, the time a step took and the time left at that pace, on one line."""
+        parts = [self.step_description(trainer)]
+        for label, value in self.get_metrics(trainer, pl_module).items():
+            try:
+                shown = value if isinstance(value, str) else f"{value:{self.theme.metrics_format}}"
+            except (TypeError, ValueError):
+                shown = str(value)
+            parts.append(f"{label} {shown}")
+        parts.append(f"{seconds_per_step:.2g} s/step" if seconds_per_step < 1 else f"{seconds_per_step:.1f} s/step")
+        steps_left = self.total_train_batches - trainer.global_step
+        if math.isfinite(steps_left) and steps_left > 0:
+            parts.append(f"{_clock_time(steps_left * seconds_per_step)} left")
+        return "  ".join(parts)
+
+    @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_validation_start(trainer, pl_module)
         if trainer.state.fn == "fit" and self.is_enabled and self.train_progress_bar_id is not None:
@@ -114,6 +169,9 @@ class StepProgressBar(RichProgressBar):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)
         if self.is_enabled and self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, description=self.step_description(trainer))
+        step = trainer.global_step
+        if self._prints_lines and step > self._last_line[0] and step % self.print_every_n_steps == 0:
+            self._print_line(trainer, pl_module)
 
     @override
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
@@ -128,6 +186,13 @@ class StepProgressBar(RichProgressBar):
             if name != "v_num" and name not in self.metrics.values():
                 shown[name] = value
         return shown
+
+
+def _clock_time(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on."""
+    hours, rest = divmod(round(seconds), 3600)
+    minutes, rest = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{rest:02d}" if hours else f"{minutes}:{rest:02d}"
 
 
 class _EvaluationBatchesColumn(BatchesProcessedColumn):

@@ -1,4 +1,6 @@
-"""``lit-cancel serve --config CONFIG``: a vLLM rollout server for a config's model, for ``VLLMServerEngine``'s ``urls``.
+"""``lit-cancel serve --config CONFIG``: a vLLM rollout server for a config's model, for ``VLLMServerEngine``'s ``urls``;
+``fit``'s overrides of the model (``--model.init_args.model_path PATH``, ``--model.init_args.engine.init_args.NAME VALUE``)
+apply to it as they do to ``fit``'s, so that the server serves what ``fit`` trains.
 
 Every mistake in the options, the config or its model is refused in one line before anything is started
 (:class:`ServeSetup`); then this process becomes vLLM's server on the config's model folder, read where it lies
@@ -7,6 +9,7 @@ Every mistake in the options, the config or its model is refused in one line bef
 
 import argparse
 import importlib.util
+import json
 import os
 import socket
 from pathlib import Path
@@ -26,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     """The options of ``lit-cancel serve``; the arguments it does not know are passed on to vLLM's server."""
     parser = _Parser(
         prog="lit-cancel serve", description="Start a vLLM rollout server for a config's model (VLLMServerEngine's urls). "
-        "Any other option is vLLM's server's, passed on to it.",
+        "--model.init_args.NAME VALUE options change the config's model as in lit-cancel fit; any other option is vLLM's "
+        "server's, passed on to it.",
     )
     parser.add_argument("--config", required=True, help="the fit config whose model (model_path, dtype) is served, with the "
                         "max_model_len, kv_cache_memory_bytes and dtype of its engine unless given here")
@@ -68,24 +72,66 @@ def read_config(path: str) -> dict:
     return content
 
 
+def split_model_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` as ``lit-cancel fit``'s overrides of the config's model (``--model.init_args.NAME=VALUE`` or
+    ``--model.init_args.NAME VALUE``, also into the engine's: ``--model.init_args.engine.init_args.NAME``), each as
+    ``OPTION=VALUE``, and the other arguments; ValueError in one line for an override without a value."""
+    overrides, others, words = [], [], iter(args)
+    for word in words:
+        if not word.startswith("--model."):
+            others.append(word)
+            continue
+        if "=" not in word:
+            value = next(words, None)
+            if value is None or value.startswith("--"):
+                raise ValueError(f"{word}: expected a value, e.g. {word}=VALUE")
+            word = f"{word}={value}"
+        overrides.append(word)
+    return overrides, others
+
+
+def overridden_model(model: dict, overrides: list[str]) -> dict:
+    """The config's ``model`` section with ``overrides`` applied as ``lit-cancel fit`` applies them (jsonargparse, by
+    the signatures of the classes the config names); ValueError in one line naming the option, as ``fit`` would, for an
+    option those classes do not have or a value of the wrong type."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
+    from lit_cancel.run.errors import explain
+
+    model_parser = ArgumentParser(exit_on_error=False)
+    model_parser.add_subclass_arguments(LightningModule, "model", fail_untyped=False, required=True)
+    try:
+        parsed = model_parser.parse_args([f"--model={json.dumps(model, default=str)}", *overrides])
+    except argparse.ArgumentError as error:
+        raise ValueError(explain(error)) from None
+    return parsed.as_dict()["model"]
+
+
 class ServeSetup:
     """What ``lit-cancel serve ARGV`` runs, checked before anything is started, in the order :func:`main` calls:
     the options and the config file (here), what vLLM would refuse only once started (:meth:`check_with_vllm`), the model
     and the KV cache it needs (:meth:`load`); then :meth:`command` is the server's command line. Each check raises
     ValueError in one line.
 
-    Each server setting comes from the command line, else from the config's engine, else its default; the option or
-    config key that gave it is kept, for the messages.
+    The config's model is the config file's with ``fit``'s overrides of it applied (:func:`overridden_model`). Each server
+    setting comes from the command line, else from the config's engine, else its default; the option or config key that
+    gave it is kept, for the messages.
     """
 
     def __init__(self, argv: list[str]):
-        args, self.extra = parser().parse_known_args(argv)
-        self.config, self.host, self.port = args.config, args.host, args.port
-        self.arguments = (read_config(args.config).get("model") or {}).get("init_args") or {}
+        args, extra = parser().parse_known_args(argv)
+        overrides, self.extra = split_model_overrides(extra)
+        self.host, self.port = args.host, args.port
+        self.config = " ".join([args.config, *overrides])  # the config file and the overrides of it, for the messages
+        model = read_config(args.config).get("model") or {}
+        if overrides:
+            model = overridden_model(model, overrides)
+        self.arguments = model.get("init_args") or {}
         engine = self.arguments.get("engine")
         self.engine = (engine.get("init_args") or {}) if isinstance(engine, dict) else {}
         self.cpus = _cores(args.cpus)
-        engine_key = f"{args.config}: model.init_args.engine.init_args"
+        engine_key = f"{self.config}: model.init_args.engine.init_args"
         self.kv_cache, self.kv_cache_option = _setting(
             args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", self.engine.get("kv_cache_memory_bytes"),
             f"{engine_key}.kv_cache_memory_bytes",

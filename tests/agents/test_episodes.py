@@ -4,6 +4,7 @@ agreeing with what was sampled."""
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -17,15 +18,17 @@ from lit_cancel.agents import (
     EnvironmentTask,
     Observation,
     ToolAdditionTask,
+    ToolEnvironment,
     calculate,
     run_episodes,
 )
 from lit_cancel.agents.episodes import EpisodeLimits
 from lit_cancel.engines import Sampled
 from lit_cancel.hub import load_tokenizer
+from lit_cancel.rounds.draw import record_names
 from lit_cancel.rounds.sample import Generation, encode_prompts
 from lit_cancel.sft import SFTDataModule
-from lit_cancel.tasks import AdditionTask
+from lit_cancel.tasks import AdditionTask, MathWordTask
 
 
 class ScriptedPolicy:
@@ -172,6 +175,41 @@ def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_
 
     with pytest.raises(EnvironmentFailure, match=r"Unscored.reward raised on record 0: KeyError: 'score'"):
         run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+
+
+def test_messages_name_a_record_by_its_split_its_index_and_where_the_task_read_it(gsm8k_file):
+    class Secretive(Countdown):
+        def reset(self, record):
+            return record["secret"]
+
+    math = MathWordTask(gsm8k_file, val_size=2)
+    names = record_names(math, "val", [1])
+    assert names == [f"val record 1 ({math.record_source('val', 1)})"] and gsm8k_file in names[0]
+    assert record_names(AdditionTask(num_digits=1, train_size=4, val_size=2), "train", [3, 0]) == ["train record 3", "train record 0"]
+    policy = ScriptedPolicy(lambda context: ("stop", True))
+    records = math.val_records()[1:]
+    task = EnvironmentTask(math, environment=Secretive)
+    with pytest.raises(EnvironmentFailure, match=re.escape(f"Secretive.reset raised on {names[0]}: KeyError: 'secret'")):
+        task.rollout(policy, records, *encoded(policy.tokenizer, records), names=names)
+
+
+def test_a_round_counts_tool_outputs_cut_or_not_utf8_apart_from_failed_calls():
+    def lookup(key: str) -> bytes:
+        """Looks a key up.
+
+        Args:
+            key: what to look up.
+        """
+        return {"short": b"ok", "long": b"x" * 50, "binary": b"\xff"}[key]
+
+    policy = ScriptedPolicy(lambda context: ("done" if "lookup" in context else f"lookup: {context.rstrip(':')}", True),
+                            max_new_tokens=20)
+    records = [{"prompt": f"{key}:"} for key in ("short", "long", "binary", "missing")]
+    generation, _ = run(policy, records, environment=lambda: ToolEnvironment([lookup], ColonCalls("key"), max_output_chars=10))
+    assert generation.texts[1] == "lookup:long = xxxxxxxxxx... [40 more characters cut]\ndone"
+    # per episode: each of the 4 calls once; "missing" raised (an error); "long" was cut and "binary" is not UTF-8
+    stats = generation.stats
+    assert (stats["rollout/tool_calls"], stats["rollout/tool_errors"], stats["rollout/tool_output_faults"]) == (1.0, 0.25, 0.5)
 
 
 def test_a_trl_environment_runs_its_tools_in_episodes_and_scores_them_with_get_reward():

@@ -6,9 +6,12 @@ import threading
 
 import pytest
 
+from lit_cancel import AdditionTask
 from lit_cancel.agents import (
+    ColonCalls,
     Environment,
     EnvironmentFailure,
+    EnvironmentTask,
     HermesCalls,
     MalformedCall,
     Observation,
@@ -16,7 +19,7 @@ from lit_cancel.agents import (
     ToolEnvironment,
     from_trl_factory,
 )
-from lit_cancel.agents.environment import reset_episode, step_episode
+from lit_cancel.agents.environment import episode_reward, reset_episode, step_episode
 from lit_cancel.agents.tools import cleaned
 
 
@@ -57,6 +60,16 @@ def floods(size: int) -> bytes:
     return (b"ok\xff\x00\x07" * size)[:size]
 
 
+def repeats(text: str, times: int) -> str:
+    """Repeats a text.
+
+    Args:
+        text: what to repeat.
+        times: how many times.
+    """
+    return text * times
+
+
 def call(name: str, **arguments) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
@@ -69,7 +82,7 @@ def response(*texts: str) -> str:
 
 @pytest.fixture
 def environment():
-    return ToolEnvironment([multiply, fails, hangs, floods], timeout=0.3, max_output_chars=40, max_calls_per_turn=3)
+    return ToolEnvironment([multiply, fails, hangs, floods, repeats], timeout=0.3, max_output_chars=40, max_calls_per_turn=3)
 
 
 def test_a_tools_schema_comes_from_its_signature_and_docstring(environment):
@@ -137,8 +150,53 @@ def test_a_huge_output_that_is_not_utf8_is_cut_and_cleaned(environment):
     observation = environment.step(call("floods", size=10_000))
     # b"ok\xff\x00\x07" is "ok" and a replacement character once decoded; the NUL and the bell are dropped
     expected = ("ok\ufffd" * 14)[:40] + f"... [{3 * 2000 - 40} more characters cut]"
-    assert observation == Observation(response(expected), tool_calls=1, tool_errors=0)
-    assert cleaned("a\x1b[31mb\tc\n", 100) == "a[31mb\tc\n"
+    assert observation == Observation(response(expected), tool_calls=1, tool_errors=0, tool_output_faults=1)
+    assert cleaned("a\x1b[31mb\tc\n", 100) == ("a[31mb\tc\n", False)
+
+
+def test_an_output_cut_or_not_utf8_is_counted_as_a_faulty_output_and_a_failed_call_as_an_error(environment):
+    # 10 bytes that are not UTF-8; 60 characters cut at 40; 40 characters, read whole
+    observation = environment.step(call("floods", size=10) + call("repeats", text="ab", times=30) + call("repeats", text="ab", times=20))
+    assert (observation.tool_calls, observation.tool_errors, observation.tool_output_faults) == (3, 0, 2)
+    # an error cut at 40 characters is a failed call, not a faulty output
+    observation = environment.step(call("fails", reason="x" * 100))
+    assert (observation.tool_calls, observation.tool_errors, observation.tool_output_faults) == (1, 1, 0)
+
+
+def test_a_colon_call_fills_the_called_tools_own_parameter_whatever_its_name():
+    def lookup(key: str) -> str:
+        """Looks a key up.
+
+        Args:
+            key: what to look up.
+        """
+        return {"pi": "3.14"}[key]
+
+    def calculate(expression: str) -> str:
+        """Evaluates a sum.
+
+        Args:
+            expression: two numbers with a plus.
+        """
+        return str(sum(int(part) for part in expression.split("+")))
+
+    def pad(text: str, width: int = 8) -> str:
+        """Pads a text.
+
+        Args:
+            text: what to pad.
+            width: how wide.
+        """
+        return text.rjust(width, ".")
+
+    environment = ToolEnvironment([lookup, calculate, pad, multiply], ColonCalls())
+    assert environment.step("lookup: pi") == Observation(" = 3.14\n", tool_calls=1)
+    assert environment.step("calculate: 2+3") == Observation(" = 5\n", tool_calls=1)
+    assert environment.step("pad: ab") == Observation(" = ......ab\n", tool_calls=1)
+    # one text cannot fill two required parameters: the policy reads the error
+    assert environment.step("multiply: 3").tool_errors == 1
+    assert ColonCalls().parse("lookup: pi") == [ToolCall("lookup", {"expression": "pi"})], "unbound, the text fills `argument`"
+    assert ColonCalls("key").for_tools(environment.schemas).parse("lookup: pi") == [ToolCall("lookup", {"key": "pi"})]
 
 
 def test_calls_past_the_limit_of_a_turn_are_answered_with_an_error_and_not_run(environment):
@@ -183,7 +241,7 @@ def test_an_environment_written_for_trls_environment_factory_runs_with_its_state
     assert (first.reward(), second.reward()) == (1.0, 0.0)
 
 
-def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused_when_the_factory_is_given():
+def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused_by_the_start_up_check_naming_its_class():
     class NoReset:
         def increment(self, by: int) -> int:
             """Adds.
@@ -197,10 +255,25 @@ def test_a_trl_environment_without_reset_or_with_an_undocumented_tool_is_refused
         def decrement(self, by: int) -> int:
             return -by
 
-    with pytest.raises(ValueError, match="NoReset: an environment_factory's instance must define reset"):
-        from_trl_factory(NoReset)
-    with pytest.raises(ValueError, match="^tool decrement: "):
-        from_trl_factory(Undocumented)
+    task = AdditionTask(num_digits=1, train_size=4, val_size=2)
+    with pytest.raises(EnvironmentFailure, match="^the environment factory NoReset raised at start-up: ValueError: NoReset: an "
+                                                 "environment_factory's instance must define reset"):
+        EnvironmentTask(task, trl_environment=NoReset).check_environment()
+    with pytest.raises(EnvironmentFailure, match="^the environment factory Undocumented raised at start-up: ValueError: tool decrement: "):
+        EnvironmentTask(task, trl_environment=Undocumented).check_environment()
+
+
+def test_an_environment_of_a_trl_class_is_named_by_that_class_and_its_methods():
+    class Unscored(Counter):
+        def get_reward(self) -> float:
+            raise KeyError("count")
+
+    environment = from_trl_factory(Unscored)()
+    environment.reset({"target": 1, "prompt": "..."})
+    with pytest.raises(EnvironmentFailure, match=r"^Unscored.get_reward raised on val record 2: KeyError: 'count'$"):
+        episode_reward(environment, "val record 2")
+    with pytest.raises(EnvironmentFailure, match=r"^Unscored.reset raised on val record 2: TypeError: .*'target'$"):
+        reset_episode(environment, {"prompt": "..."}, "val record 2")
 
 
 class Broken(Environment):
@@ -213,11 +286,11 @@ class Broken(Environment):
         raise ZeroDivisionError("division by zero")
 
 
-def test_an_environment_that_raises_or_answers_wrongly_stops_the_run_in_one_line_naming_it_the_turn_and_the_row():
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.reset raised on train row 3: KeyError: 'missing'$"):
-        reset_episode(Broken(), {}, "train row 3")
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.step raised at turn 2 of train row 3: ZeroDivisionError: division by zero$"):
-        step_episode(Broken(), "1/0", 2, "train row 3")
-    with pytest.raises(EnvironmentFailure, match=r"^Broken.step returned str at turn 1 of train row 3; it must return an Observation$"):
-        step_episode(Broken(), "text", 1, "train row 3")
+def test_an_environment_that_raises_or_answers_wrongly_stops_the_run_in_one_line_naming_it_the_turn_and_the_record():
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.reset raised on train record 3: KeyError: 'missing'$"):
+        reset_episode(Broken(), {}, "train record 3")
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.step raised at turn 2 of train record 3: ZeroDivisionError: division by zero$"):
+        step_episode(Broken(), "1/0", 2, "train record 3")
+    with pytest.raises(EnvironmentFailure, match=r"^Broken.step returned str at turn 1 of train record 3; it must return an Observation$"):
+        step_episode(Broken(), "text", 1, "train record 3")
     assert ToolCall("multiply", {"a": 1}) == HermesCalls().parse(call("multiply", a=1))[0]

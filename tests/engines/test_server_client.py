@@ -5,6 +5,7 @@ HTTP servers play the vLLM servers; the tests that need vLLM itself are in tests
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from lit_cancel import VLLMServerEngine
-from lit_cancel.engines.server_process import ServerClient, ServerError, _group_alive, free_port, stop_server, wait_until_healthy
+from lit_cancel.engines.server_process import ServerClient, ServerError, free_port, start_server, stop_server, wait_until_healthy
+from lit_cancel.engines.server_watchdog import CHECK_EVERY, group_alive
 from lit_cancel.engines.vllm_common import INSTALL_LINES
 from lit_cancel.hub import resolve_model_path
 from lit_cancel.run import commands
@@ -102,8 +104,9 @@ def test_a_call_to_a_server_that_restarted_at_its_url_fails_as_soon_as_the_resta
         label[0] = "run/4"
         assert client.label() == "run/4" and client.holds_own
         answered = []
-        threading.Thread(target=lambda: answered.append(client.label(timeout=30)), daemon=True).start()
-        time.sleep(0.5)
+        asking = threading.Thread(target=lambda: answered.append(client.label(timeout=30)), daemon=True)
+        asking.start()
+        asking.join(60)  # the call's own timeout is 30 s
         assert answered == ["run/4"]
 
 
@@ -164,16 +167,16 @@ def test_closing_the_engine_stops_every_process_of_a_launched_server_whose_own_p
     server.process, child = process_group_with_a_child()
     os.kill(server.process.pid, signal.SIGKILL)  # the server's API process dies; its engine core runs on
     server.process.wait()
-    assert _group_alive(server.process.pid)
+    assert group_alive(server.process.pid)
     engine.close()
-    assert not _group_alive(child) and server.process is None
+    assert not group_alive(child) and server.process is None
 
 
 def test_a_server_process_that_ignores_sigterm_is_killed_after_the_grace_time():
     process, child = process_group_with_a_child(ignore_sigterm=True)
     started = time.monotonic()
     stop_server(process, grace=1)
-    assert not _group_alive(process.pid) and 1 <= time.monotonic() - started < 5
+    assert not group_alive(process.pid) and 1 <= time.monotonic() - started < 5
 
 
 def test_stopping_a_server_waits_for_its_killed_processes_to_end(monkeypatch):
@@ -190,7 +193,88 @@ def test_stopping_a_server_waits_for_its_killed_processes_to_end(monkeypatch):
 
     monkeypatch.setattr(os, "killpg", late_sigkill)
     stop_server(process, grace=0.2)
-    assert not _group_alive(process.pid) and process.returncode is not None
+    assert not group_alive(process.pid) and process.returncode is not None
+
+
+def test_a_servers_temporary_files_go_to_its_folder_where_vllms_unix_sockets_can_be_made_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    short = Path(tempfile.mkdtemp(dir="/tmp"))
+    deep = tmp_path / ("deep" * 20)  # a socket's path there would be longer than a unix socket's 107 bytes
+    deep.mkdir()
+    try:
+        for folder, expected in [(short, short / "tmp"), (deep, tmp_path)]:
+            command = [sys.executable, "-c", "import os; print(os.environ['TMPDIR'], flush=True)"]
+            process = start_server(command, None, str(folder / "server.log"), str(folder))
+            process.wait()
+            stop_server(process)
+            assert (folder / "server.log").read_text() == f"{expected}\n"
+    finally:
+        shutil.rmtree(short)
+
+
+# a stand-in server: a process listening at a port, with a child in its group that ignores SIGTERM (as vLLM's resource
+# tracker does); it prints the child's pid once the child ignores SIGTERM
+FAKE_SERVER = """
+import socket, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print(os.getpid(), flush=True); time.sleep(300)"], stdout=subprocess.PIPE)
+pid = child.stdout.readline().strip().decode()
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print(pid, flush=True)
+time.sleep(300)
+"""
+# a stand-in trainer: starts a server with start_server from a thread that then ends, prints the server's pid, and waits
+FAKE_TRAINER = """
+import sys, threading, time
+from lit_cancel.engines.server_process import start_server
+command, log, folder = sys.argv[1:5], sys.argv[5], sys.argv[6]
+thread = threading.Thread(target=lambda: print(start_server(command, None, log, folder, grace=1).pid, flush=True))
+thread.start()
+thread.join()
+time.sleep(300)
+"""
+
+
+def until(condition, seconds: float = 60) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (asked every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_server_started_by_a_trainer_that_is_killed_with_sigkill_is_stopped_whole_with_its_folder(tmp_path):
+    folder, port = tmp_path / "server", free_port()
+    folder.mkdir()
+    log = folder / "server.log"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", FAKE_TRAINER, sys.executable, "-c", FAKE_SERVER, str(port), str(log), str(folder)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    server = None
+    try:
+        server = int(trainer.stdout.readline())
+        assert until(lambda: listens(port) and log.read_text().strip().isdigit())
+        child = int(log.read_text())
+        assert os.getpgid(child) == server
+        time.sleep(2 * CHECK_EVERY)  # time for a watchdog to act: the thread that started the server ended, the trainer runs on
+        assert group_alive(server)
+        trainer.kill()  # as the OOM killer or a scheduler's hard kill
+        trainer.wait()
+        assert until(lambda: not group_alive(server) and not folder.exists(), 30)  # its child too, which ignores SIGTERM
+        assert not listens(port)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if server is not None and group_alive(server):
+            os.killpg(server, signal.SIGKILL)
 
 
 def serve(args: list[str], monkeypatch, capfd) -> tuple[int, list[str]]:
@@ -210,7 +294,7 @@ def mistakes(folder: Path) -> list[tuple[list[str], str]]:
     (folder / "list.yaml").write_text("- model\n")
     (folder / "no-model.yaml").write_text(f"model:\n  init_args:\n    model_path: {folder / 'missing'}\n")
     (folder / "bad-dtype.yaml").write_text("model:\n  init_args:\n    dtype: float33\n")
-    config = str(CONFIGS / "quickstart.yaml")
+    config, server_config = str(CONFIGS / "quickstart.yaml"), str(CONFIGS / "quickstart-server.yaml")
     cores = sorted(os.sched_getaffinity(0))
     return [
         ([], "lit-cancel serve: the following arguments are required: --config"),
@@ -224,6 +308,14 @@ def mistakes(folder: Path) -> list[tuple[list[str], str]]:
         (["--config", config, "--cpus", str(cores[-1] + 1)], f"--cpus {cores[-1] + 1}: no core {cores[-1] + 1} here; this process may use cores"),
         (["--config", config, "--cpus", "abc"], "--cpus abc: expected comma-separated core numbers"),
         (["--config", config, "--port", "abc"], "lit-cancel serve: argument --port: invalid int value: 'abc'"),
+        # fit's overrides of the model, refused as fit refuses them
+        (["--config", config, "--model.init_args.model_path", str(folder / "missing")],
+         f"--config {config} --model.init_args.model_path={folder / 'missing'}: model.init_args.model_path='{folder / 'missing'}' does not exist"),
+        (["--config", config, "--model.init_args.modle_path=/x"], "model.init_args.modle_path: lit_cancel.RLModule has no option 'modle_path'"),
+        (["--config", server_config, "--model.init_args.engine.init_args.max_model_len=abc"],
+         "model.init_args.engine.init_args.max_model_len: Expected a <class 'int'>. Got value: abc"),
+        (["--config", config, "--model.init_args.model_path", "--port", "8000"],
+         "--model.init_args.model_path: expected a value, e.g. --model.init_args.model_path=VALUE"),
     ]
 
 
@@ -278,3 +370,16 @@ def test_serve_runs_vllms_server_on_the_configs_model_with_its_engine_settings_u
     setup = ServeSetup(["--config", config, "--max-model-len", "128"])
     setup.load()
     assert dict(zip(command := setup.command(), command[1:]))["--max-model-len"] == "128"
+
+
+def test_serve_applies_fits_overrides_of_the_model_and_passes_the_other_options_on_to_vllm(tmp_path):
+    model = tmp_path / "adder"
+    shutil.copytree(resolve_model_path("embedded:tiny-adder"), model)
+    key = "--model.init_args.engine.init_args"
+    setup = ServeSetup(["--config", str(CONFIGS / "quickstart-server.yaml"), "--model.init_args.model_path", str(model),
+                        f"{key}.max_model_len=128", "--max-num-seqs", "64", f"{key}.kv_cache_memory_bytes", "33554432"])
+    setup.load()
+    command = setup.command()
+    options = dict(zip(command, command[1:]))
+    assert (options["--model"], options["--max-model-len"], options["--kv-cache-memory-bytes"]) == (str(model), "128", "33554432")
+    assert options["--max-num-seqs"] == "64" and not [word for word in command if word.startswith("--model.")]

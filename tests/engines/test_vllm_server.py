@@ -38,13 +38,13 @@ from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, S
 from lit_cancel.engines.server_process import (  # noqa: E402
     ServerClient,
     ServerError,
-    _group_alive,
     free_port,
     server_command,
     start_server,
     stop_server,
     wait_until_healthy,
 )
+from lit_cancel.engines.server_watchdog import group_alive  # noqa: E402
 from lit_cancel.engines.vllm_common import merged_weights  # noqa: E402
 from lit_cancel.engines.vllm_servers import VLLMServerEngine  # noqa: E402
 from lit_cancel.hub import resolve_model_path  # noqa: E402
@@ -499,7 +499,7 @@ def test_the_server_quickstart_raises_held_out_accuracy_and_its_server_stops_at_
     started = time.monotonic()
     module.engine.close()  # as at a Ctrl-C: vLLM's server stops only once the requests it holds are given up
     assert time.monotonic() - started < 15
-    assert not _group_alive(process.pid)
+    assert not group_alive(process.pid)
 
 
 def suppress_server_error(function, *args, **kwargs) -> None:
@@ -513,9 +513,51 @@ def test_the_async_quickstart_raises_held_out_accuracy_and_every_process_of_its_
     cli, process = train_quickstart("quickstart-async.yaml", tmp_path)
     os.kill(process.pid, signal.SIGKILL)  # the server's API process dies; vLLM's engine core runs on
     process.wait()
-    assert _group_alive(process.pid)
+    assert group_alive(process.pid)
     cli.model.engine.close()
-    assert not _group_alive(process.pid)
+    assert not group_alive(process.pid)
+
+
+# a trainer that launches a server for the shipped model, prints its pid and folder, and waits
+LAUNCHING_TRAINER = """
+import time
+from lit_cancel import RLModule, VLLMServerEngine
+engine = VLLMServerEngine(launch=True, max_model_len=256, kv_cache_memory_bytes=32 * 2**20)
+engine.start(RLModule("embedded:tiny-adder").policy_weights())
+print(engine.server.process.pid, engine.server.folder, flush=True)
+time.sleep(600)
+"""
+
+
+def vllm_temporary_files(folder: Path) -> list[Path]:
+    """vLLM's sockets and ``vllm_dist_*`` files in ``folder`` and below."""
+    return [path for path in folder.rglob("*") if path.is_socket() or path.name.startswith("vllm_dist_")]
+
+
+@pytest.mark.slow
+def test_a_launched_server_keeps_its_temporary_files_in_its_folder_and_goes_with_its_trainer_killed_by_sigkill():
+    temporary = Path(tempfile.mkdtemp(dir="/tmp"))  # the trainer's temporary folder, short enough for vLLM's sockets in it
+    trainer = subprocess.Popen([sys.executable, "-c", LAUNCHING_TRAINER], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temporary)})
+    group = None
+    try:
+        pid, folder = trainer.stdout.readline().split()
+        group, folder = int(pid), Path(folder)
+        assert folder.parent == temporary and vllm_temporary_files(folder / "tmp")
+        assert [path for path in vllm_temporary_files(temporary) if folder not in path.parents] == []
+        trainer.kill()  # as the OOM killer or a scheduler's hard kill
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while group_alive(group) or folder.exists():  # the watchdog stops every process of the server, then removes its folder
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert vllm_temporary_files(temporary) == []
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if group is not None and group_alive(group):
+            os.killpg(group, signal.SIGKILL)
+        shutil.rmtree(temporary)
 
 
 def test_serve_refuses_options_vllm_does_not_know_a_taken_port_and_a_kv_cache_too_small_in_one_line(monkeypatch, capfd, tmp_path):

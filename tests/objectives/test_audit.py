@@ -238,7 +238,11 @@ def test_audit_takes_a_user_class_by_import_path():
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("no_such_module.Objective", "neither a preset .* nor an importable class path"),
+        ("no_such_module.Objective", "neither a preset .* nor an importable class path: No module named 'no_such_module'\n"),
+        ("GRPOO", r"'GRPOO' is neither a preset \(GRPO, .*\) nor a class path such as my_package.objectives.MyObjective; did you mean GRPO\?\n"),
+        ("dfpo_mn", r"did you mean DFPOMin\?\n"),
+        ("lit_cancel.DrGRP0", r"nor an importable class path: module 'lit_cancel' has no attribute 'DrGRP0'; did you mean DrGRPO\?\n"),
+        ("Unrelated", r"'Unrelated' is neither a preset \(.*\) nor a class path such as my_package.objectives.MyObjective\n"),
         ("collections.OrderedDict", "is not a lit_cancel.Objective"),
         ("test_audit.NeedsArguments", r"cannot be built without arguments \(.*width.*\); give its arguments defaults"),
     ],
@@ -256,6 +260,6 @@ def test_console_command_exit_status_and_a_module_in_the_current_directory(tmp_p
         "class Mine(PolicyGradient):\n    def __init__(self):\n        super().__init__(clip=NoClip(), normaliser=ConstantLength(16))\n"
     )
     for name, code in [("DFPOOrth", 0), ("GSPO", 1), ("my_objectives.Mine", 0), ("my_objectives.Missing", 2)]:
-        result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        result = subprocess.run([LIT_CANCEL, "audit-objective", name], capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert result.returncode == code, result.stderr
         assert code == 2 or "learning tax of " + name in result.stdout

@@ -1,6 +1,7 @@
 import argparse
 import importlib
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -252,22 +253,34 @@ def test_data_sizes_are_checked_before_the_first_validation(tmp_path, monkeypatc
     assert validations == []
 
 
-def test_malformed_jsonl_is_named_with_its_line(tmp_path, monkeypatch, capsys, tiny_model_path, gsm8k_file):
+@pytest.mark.parametrize(
+    "third_row, problem",
+    [
+        (lambda row: row[:-1], "line 3 is not valid JSON (Expecting ',' delimiter at column 100); expected one JSON object per line"),
+        (lambda row: "[1, 2]", "line 3 is a JSON array, not an object; expected JSON objects with the fields 'question' and 'answer'"),
+    ],
+    ids=["closing-brace-missing", "array"],
+)
+def test_a_bad_row_of_a_jsonl_file_is_named_once_by_its_line(tmp_path, lit_cancel_script, tiny_model_path, gsm8k_file, third_row, problem):
     rows = Path(gsm8k_file).read_text().splitlines()
-    rows[2] = rows[2][:-1]  # the closing brace of the third row
+    rows[2] = third_row(rows[2])
     broken = tmp_path / "broken.jsonl"
     broken.write_text("\n".join(rows) + "\n")
-    lines = console_error(
-        monkeypatch, capsys, "fit", "--config", str(CONFIGS / "gsm8k-local.yaml"), f"--model.init_args.model_path={tiny_model_path}",
-        f"--data.init_args.task.init_args.train_file={broken}",
+    environment = {k: v for k, v in os.environ.items() if k != commands.DEBUG_VARIABLE}
+    result = subprocess.run(
+        [lit_cancel_script, "fit", "--config", str(CONFIGS / "gsm8k-local.yaml"), f"--model.init_args.model_path={tiny_model_path}",
+         f"--data.init_args.task.init_args.train_file={broken}"], capture_output=True, text=True, env=environment, cwd=tmp_path,
     )
-    assert lines[-1].startswith(f"error: MathWordTask: data file '{broken}' line 3 is not valid JSON (")
+    assert result.returncode == 2, result.stderr[-2000:]
+    # datasets' own message, which counts rows from 0, is not printed besides the project's
+    assert [line for line in result.stderr.splitlines() if "broken.jsonl" in line] == [f"error: MathWordTask: data file '{broken}' {problem}"]
 
 
-def test_help_lists_every_command():
-    help_text = subprocess.run(["lit-cancel", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ["fit", "validate", "lit-cancel export", "lit-cancel audit-objective"]:
-        assert command in help_text
+def test_help_lists_every_command(lit_cancel_script):
+    help_text = subprocess.run([lit_cancel_script, "--help"], capture_output=True, text=True, check=True).stdout
+    assert " ".join(help_text.split()).startswith("usage: lit-cancel [-h] {fit,validate,export,audit-objective,serve,diagnose} ...")
+    listed = re.findall(r"^    (\S+)", help_text.partition("\ncommands:\n")[2], flags=re.MULTILINE)  # each command, with what it does
+    assert listed == ["fit", "validate", "export", "audit-objective", "serve", "diagnose"]
     assert "predict" not in help_text
 
 
@@ -424,10 +437,10 @@ def test_warnings_are_printed_on_one_line(tmp_path):
     assert (result.returncode, result.stderr) == (0, "warning: round 3: every reward is equal\nwarning (FutureWarning): old\n")
 
 
-def test_validate_prints_the_held_out_metrics(tmp_path, capsys, checkpoints):
+def test_validate_prints_the_held_out_metrics_whatever_the_round_sizes_of_the_checkpoint(tmp_path, capsys, checkpoints):
+    # the checkpoint's run had rounds of 4 prompts x 4, the config's are 16 x 8: a resume would refuse, validate samples no rounds
     run = main(["validate", "--config", str(CONFIGS / "quickstart.yaml"), f"--ckpt_path={checkpoints['quickstart']}",
                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4",
                 "--data.init_args.task.init_args.val_size=4", "--model.init_args.val_samples=2"])
     printed = dict(line.split() for line in capsys.readouterr().out.strip().splitlines()[-2:])
     assert set(printed) == {"val/accuracy", "val/greedy_accuracy"}

@@ -1,6 +1,8 @@
 """StepProgressBar: steps and reward on a tiny RL run, outside a terminal (as in CI)."""
 
 import io
+import re
+import sys
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,6 +11,7 @@ import lightning as L
 import pytest
 import rich
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lit_cancel.callbacks import RolloutSamplesLogger
 from rich.console import Console
@@ -18,6 +21,7 @@ from lit_cancel.run.cli import LitCancelCLI
 from lit_cancel.run.progress import StepProgressBar
 
 CONFIGS = Path(__file__).parents[2] / "configs"
+CLI_DOC = Path(__file__).parents[2] / "docs" / "cli.md"
 
 TASK = AdditionTask(num_digits=3, train_size=64, val_size=4, seed=0)
 
@@ -137,3 +141,74 @@ def test_the_shipped_config_shows_it_and_enable_progress_bar_false_drops_it(tmp_
     cli = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args)
     assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar) if enabled else cli.trainer.progress_bar_callback is None
     assert any(isinstance(c, RolloutSamplesLogger) for c in cli.trainer.callbacks)  # the rest of the list stays
+
+
+def progress_lines(text: str, total: int) -> dict[int, str]:
+    """The progress lines in ``text``, by step, each without its timing (which is the machine's)."""
+    lines = {}
+    for line in text.splitlines():
+        found = re.fullmatch(rf"step (\d+)/{total}  (.*)  \d+(?:\.\d+)?(?:e-\d+)? s/step(  (?:\d+:)?\d+:\d\d left)?", line)
+        if found:
+            step = int(found.group(1))
+            assert step not in lines, f"step {step} printed twice"
+            assert bool(found.group(3)) == (step < total), line  # the time left, until the last step
+            lines[step] = found.group(2)
+    return lines
+
+
+def test_outside_a_terminal_it_prints_what_the_bar_shows_every_n_steps_and_at_the_last(capsys):
+    assert not rich.get_console().is_terminal  # pytest captures the output: the same as a log file
+    bar = StepProgressBar(print_every_n_steps=2)
+    record = fit(bar, steps=5, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0)[1]
+    out = capsys.readouterr().out
+    lines = progress_lines(out, total=5)
+    assert sorted(lines) == [2, 4, 5] and out.count(" s/step") == 3
+    shown = {row["step"]: "  ".join(f"{label} {value:.3f}" for label, value in row["metrics"].items()) for row in record.rows}
+    assert lines == {2: shown[2], 4: shown[4], 5: shown[5]}
+    assert "val_acc" not in lines[2] and "val_acc" in lines[4]  # the first validation runs after step 2's line
+
+
+def test_with_0_steps_between_lines_it_prints_none(capsys):
+    fit(StepProgressBar(print_every_n_steps=0), steps=2, limit_val_batches=0)
+    assert "s/step" not in capsys.readouterr().out
+
+
+def test_on_a_terminal_the_bar_is_drawn_and_no_line_is_printed(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    try:
+        with monkeypatch.context() as patch:
+            for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR"):
+                patch.delenv(name, raising=False)
+            patch.setenv("TERM", "xterm")
+            patch.setattr(sys, "stdout", terminal)
+            fit(StepProgressBar(print_every_n_steps=1), steps=3, limit_val_batches=0)
+    finally:
+        rich.reconfigure()  # the bar set rich's console up for this terminal
+    drawn = terminal.getvalue()
+    assert "\x1b[" in drawn and "step 3/3" in drawn  # rich drew the bar live
+    assert "s/step" not in drawn
+
+
+def test_bad_print_every_n_steps_fails_at_construction():
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="StepProgressBar: print_every_n_steps must be a whole number >= 0"):
+            StepProgressBar(print_every_n_steps=bad)
+
+
+def test_docs_cli_md_shows_the_lines_as_printed_and_its_progress_bar_entry_sets_them_apart(tmp_path):
+    """The documented lines have the printed form; the documented ``trainer.callbacks`` entry, in place of the
+    quickstart's, configures the bar."""
+    section = CLI_DOC.read_text().split("### Progress in a log file", 1)[1]
+    assert sorted(progress_lines(re.search(r"```\n(.*?)```", section, re.S).group(1), total=30)) == [10, 20, 30]
+    entry = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))[0]
+    config = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    callbacks = config["trainer"]["callbacks"]
+    callbacks[[item["class_path"] for item in callbacks].index(entry["class_path"])] = entry
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    args = ["--config", str(tmp_path / "config.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = LitCancelCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args)
+    assert cli.trainer.progress_bar_callback.print_every_n_steps == entry["init_args"]["print_every_n_steps"] != 10

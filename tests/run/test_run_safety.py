@@ -23,10 +23,13 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lit_cancel.engines import server_process
+from lit_cancel.engines.server_process import RUN_FOLDER_VARIABLE, start_server, stop_server
+from lit_cancel.engines.server_watchdog import group_alive
 from lit_cancel.run import commands
 from lit_cancel.run.checkpointing import _host
 from lit_cancel.run.cli import run_cli
-from lit_cancel.run.folders import LOCK_FILE, reserve_logger_version, reserve_version
+from lit_cancel.run.folders import LOCK_FILE, RunFolderLock, reserve_logger_version, reserve_version
 
 
 def write_config(folder: Path, max_steps: int = 2, **checkpoint_args) -> Path:
@@ -93,7 +96,7 @@ def test_a_signal_saves_the_step_it_stopped_at_and_exits_with_128_plus_its_numbe
         run = subprocess.Popen([sys.executable, "-m", "lit_cancel", "fit", "--config", str(config)], env=environment, cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=errors, preexec_fn=default_interrupt)
         last = checkpoints(tmp_path) / "last.ckpt"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 900  # a guard against a hang: the signal waits for a saved step, however long a busy machine takes
         while not last.exists() and run.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         run.send_signal(stop)
@@ -193,8 +196,8 @@ def kill_9_during_a_write(path: Path) -> int:
     writer = (f"import os, time\nfrom lit_cancel.run.checkpointing import AtomicCheckpointIO\nos.fsync = lambda descriptor: time.sleep(600)\n"
               f"AtomicCheckpointIO().save_checkpoint({{'step': 1}}, {str(path)!r})\n")
     run = subprocess.Popen([sys.executable, "-c", writer])
-    deadline = time.monotonic() + 60
-    while not list(path.parent.glob(f".{path.name}.*.tmp")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 900  # a guard against a hang: the kill waits for the write to begin, however long the imports take
+    while not list(path.parent.glob(f".{path.name}.*.tmp")) and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     run.kill()
     run.wait()
@@ -248,7 +251,7 @@ class FailingDisk:
 
     def wait_for_a_failure(self) -> None:
         """Until TensorBoard's thread has tried to write (it fails then, and the run hears of it at its next log call)."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300  # a guard against a hang: a busy machine can hold the thread back long
         while not self.failures and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -518,6 +521,32 @@ def test_a_fit_refused_before_it_runs_leaves_no_version_folder(tmp_path, monkeyp
     assert list((tmp_path / "runs" / "tiny").glob("version_*")) == []
 
 
+def test_max_steps_0_is_refused_at_start_up(tmp_path, monkeypatch, capsys):
+    code, lines = console(monkeypatch, capsys, "fit", "--config", str(write_config(tmp_path)), "--trainer.max_steps=0")
+    assert (code, lines[-1]) == (2, "error: trainer.max_steps must be >= 1 (the optimizer steps to train), got 0")
+    assert not (tmp_path / "runs").exists()
+
+
+class CtrlCInTheFirstValidation(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        raise KeyboardInterrupt
+
+
+def test_a_run_stopped_before_its_first_step_leaves_no_folder_and_keeps_the_earlier_runs(tmp_path, monkeypatch, capsys):
+    config = str(write_config(tmp_path, max_steps=1))
+    stopped = ["fit", "--config", config, "--trainer.limit_val_batches=1.0", "--trainer.callbacks+=test_run_safety.CtrlCInTheFirstValidation"]
+    nothing_to_resume = (130, "lit-cancel: stopped by Ctrl-C (SIGINT) during validate: nothing to resume")
+    code, lines = console(monkeypatch, capsys, *stopped)
+    assert (code, lines[-1]) == nothing_to_resume
+    assert list(tmp_path.iterdir()) == [tmp_path / "tiny.yaml"]  # runs/tiny/version_0 and the folders made above it
+    run_cli(["fit", "--config", config])
+    earlier = sorted((tmp_path / "runs").rglob("*"))
+    assert checkpoints(tmp_path) / "last.ckpt" in earlier
+    code, lines = console(monkeypatch, capsys, *stopped)  # in version_1, beside the earlier run
+    assert (code, lines[-1]) == nothing_to_resume
+    assert sorted((tmp_path / "runs").rglob("*")) == earlier
+
+
 def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_take_it(tmp_path, monkeypatch):
     def config() -> Namespace:
         logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
@@ -541,3 +570,38 @@ def test_only_the_first_process_of_a_run_reserves_its_version_and_the_others_tak
     other_node = config()
     assert reserve_logger_version(other_node) == [] and other_node.trainer.logger.init_args.version is None
     assert sorted(path.name for path in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0", "version_1"]
+
+
+def test_a_run_of_a_folder_stops_the_server_an_earlier_run_of_it_launched_and_left_running_and_says_so(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "runs" / "tiny" / "version_0"
+    folder.mkdir(parents=True)
+    # a server with a child in its group (vLLM's engine core), printing once it started the child
+    command = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(300)']); print('started', flush=True); time.sleep(300)"]
+    servers = {}
+    for run in (folder, tmp_path / "runs" / "tiny" / "version_1"):  # one launched by a run of this folder, one by another's
+        monkeypatch.setenv(RUN_FOLDER_VARIABLE, str(run.resolve()))
+        servers[run] = start_server(command, None, str(tmp_path / f"{run.name}.log"))
+    monkeypatch.delenv(RUN_FOLDER_VARIABLE)
+    left, other = servers.values()
+    watchdog = server_process._watchdogs.pop(left.pid)  # killed with its trainer: nothing stopped the server
+    watchdog.kill()
+    watchdog.wait()
+    logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                       init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=0))
+    lock = RunFolderLock()
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{run.name}.log").read_text() == "started\n" for run in servers):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        lock.take(Namespace(trainer=Namespace(logger=logger, callbacks=[])))
+        assert not group_alive(left.pid) and group_alive(other.pid)
+        assert (f"stopped a vLLM server that an earlier run of {folder} launched and left running (2 processes, process group "
+                f"{left.pid})") in caplog.text
+        assert os.environ[RUN_FOLDER_VARIABLE] == str(folder.resolve())  # the mark of the server this run may launch
+    finally:
+        lock.release()
+        for server in servers.values():
+            stop_server(server, grace=0)
+    assert RUN_FOLDER_VARIABLE not in os.environ

@@ -3,6 +3,7 @@ checks as the rest of docs/experiments.md (tests/study/test_verdict_wording.py).
 
 import hashlib
 import json
+import math
 import statistics
 
 import pytest
@@ -16,17 +17,28 @@ from test_verdict_wording import generated_problems, readme_problems
 SEEDS = range(10)
 
 
-def scalars(tax: float, accuracy: float, agreement: float, entropy: float) -> dict[str, list[list[float]]]:
-    """A run's logged series: the tax at ``tax`` over steps 0-9 and twice that after, validation before and after."""
+def scalars(tax: float, accuracy: float, agreement: float, entropy: float, start: tuple[float, float] = (0.5, 0.4)
+            ) -> dict[str, list[list[float]]]:
+    """A run's logged series: the tax at ``tax`` over steps 0-9 and twice that after, the entropy at ``start[0]`` until
+    step 34 and ``entropy`` after, validation at ``start[1]`` before and ``accuracy`` after."""
     steps = range(40)
     return {
         "health/learning_tax": [[s, tax if s < 10 else 2 * tax] for s in steps],
-        "health/entropy_mean": [[s, entropy if s >= 35 else 0.5] for s in steps],
+        "health/entropy_mean": [[s, entropy if s >= 35 else start[0]] for s in steps],
         "rollout/first_turn_agreement": [[s, agreement if s == 0 else 0.5] for s in steps],
         "rollout/shared_policy_tokens": [[s, agreement / 2] for s in steps],
         "rollout/tool_calls": [[s, 0.9] for s in steps],
-        "val/accuracy": [[0, 0.4], [40, accuracy]],
+        "val/accuracy": [[0, start[1]], [40, accuracy]],
     }
+
+
+def warm_start(setting: str, seed: int) -> tuple[float, float]:
+    """A warm start's step-0 entropy and held-out success: the agreeing one surer (0.1 against 0.5, SDs 0.01 and 0.02)
+    and more successful (0.7 against 0.4, SD 0.01 each), as E11's were."""
+    sign = 1 if seed % 2 else -1  # seeds 0-9: mean 0, SD sqrt(10/9) of one step
+    if setting.startswith("agreeing"):
+        return 0.1 + sign * 0.01, 0.7 + sign * 0.01
+    return 0.5 + sign * 0.02, 0.4 + sign * 0.01
 
 
 def accuracy_offset(seed: int) -> float:
@@ -46,7 +58,7 @@ def write_runs(folder, taxes: dict) -> None:
                 entropy = 0.1 + 0.001 * seed + {"DrGRPO": 0.01, "GRPO": 0.001 * (seed % 3)}.get(arm, 0.0)
                 record = {"experiment": "E11", "arm": arm, "setting": setting, "seed": seed, "wall_s": 100.0,
                           "provenance": {"commit": "c0ffee" * 7, "cpu": "test CPU"},
-                          "scalars": scalars(tax, accuracy, agreement, entropy)}
+                          "scalars": scalars(tax, accuracy, agreement, entropy, warm_start(setting, seed))}
                 (folder / f"{arm}-{setting}-seed{seed}.json").write_text(json.dumps(record))
 
 
@@ -103,6 +115,23 @@ def test_the_checks_catch_a_wrong_e11_verdict(report):
     assert "(effect;" in welch and generated_problems(welch.replace("(effect;", "(inconclusive;"))[0]
 
 
+def test_p2s_confound_gives_the_warm_starts_step_zero_differences_in_within_warm_start_sds(report):
+    # entropy 0.1 against 0.5, SDs 0.01 and 0.02 times sqrt(10/9); success 0.7 against 0.4, SD 0.01 sqrt(10/9) in each
+    entropy = 0.4 / math.sqrt((0.01**2 + 0.02**2) / 2 * 10 / 9)
+    success = 0.3 / (0.01 * math.sqrt(10 / 9))
+    assert (f"the agreeing one against the mixed one: entropy (`health/entropy_mean`) 0.100 against 0.500, {entropy:.1f} "
+            f"within-warm-start SDs apart; held-out success (`val/accuracy`) 0.700 against 0.400, {success:.1f} "
+            "within-warm-start SDs apart. P2's difference is what the two warm starts give, not agreement alone.") in report
+
+
+def test_p2s_confound_without_spread_within_a_warm_start(tmp_path):
+    runs = {seed: {"entropy_start": 0.1, "val_start": 0.7} for seed in SEEDS}
+    others = {seed: {"entropy_start": 0.5, "val_start": 0.4} for seed in SEEDS}
+    line = sections_e11.confound_line({"GRPO": runs}, {"GRPO": others})
+    assert "0.100 against 0.500, no spread within either warm start" in line
+    assert sections_e11.confound_line({"GRPO": {0: runs[0]}}, {"GRPO": others}).endswith("not both warm starts have two runs yet.")
+
+
 def test_the_manipulation_check_pools_step_zero_over_the_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr(sections_e11, "RESULTS", tmp_path)
     write_runs(tmp_path, {"agreeing-tool95": grpo_tax("agreeing"), "mixed-tool50": grpo_tax("mixed")})
@@ -148,5 +177,9 @@ def test_the_readme_bullet_quotes_the_primary_tests_with_their_verdicts(tmp_path
     assert not problems and checked == 3, problems
     tax = statistics.fmean(1.75 * grpo_tax("agreeing")(seed) for seed in SEEDS)
     assert f"GRPO leaves {tax:.4f} ± " in bullet and "DFPOMin ≤ 0e+00" in bullet
+    # P2 compares two warm starts, not two levels of agreement; P3 was tested from one of them
+    assert ("from the warm start whose groups' first turns agree more often (which also starts surer and more successful: "
+            "entropy 0.10 against 0.50, success 0.70 against 0.40), ") in bullet
+    assert "; from that warm start, success GRPO − DFPOMin " in bullet and "where first turns agree" not in bullet
     assert "TOST ±0.04 p" in bullet and bullet.endswith(": no difference larger than 0.04).")
     assert e11_readme_lines({}) == []

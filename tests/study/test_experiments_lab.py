@@ -87,6 +87,14 @@ def test_the_docs_and_the_readme_quote_the_stored_json():
     assert len(readme.splitlines()) <= 200
 
 
+def test_the_readme_states_the_seeds_per_arm_the_stored_runs_have():
+    from lab import report
+
+    results, probes = report.load_all()
+    sizes = [len(seeds) for arms in results.values() for seeds in arms.values()] + [len(probes)]
+    assert f"{min(sizes)}–{max(sizes)} seeds per arm" in report.README.read_text()
+
+
 def test_every_comparison_in_a_holm_family_is_adjusted_together():
     from lab import cells, report
 
@@ -257,3 +265,53 @@ def test_e10_confirm_runs_e10s_two_arms_on_fresh_seeds_with_e10s_commands():
     run = next(r for r in confirm if r.arm == "DFPOMin-SharedNoise" and r.seed == 100)
     assert run.overrides == (*runs.e10_common(), *runs.e10_arms(100)["DFPOMin-SharedNoise"]) and run.path.parent.name == "E10C"
     assert e10[("DFPOMin-SharedNoise", 0)].overrides == (*runs.e10_common(), *runs.e10_arms(0)["DFPOMin-SharedNoise"])
+
+
+# ----------------------------------------------------------------------------------------------- E10-confirm's section
+CONFIRM_P2 = [-0.156, 0.052, -0.104, 0.026, -0.195, 0.065, -0.039, 0.013, -0.078, 0.039]  # TOST ±0.10 p 0.030
+CONFIRM_P1 = [0.01, 0.02, 0.03, -0.01, 0.2, 0.01, 0.03, 0.005, 0.01, 0.02]  # median 0.015, one seed 62% of the sum
+EARLIER_P2 = [-0.2, -0.1, 0.0, -0.3, -0.15, -0.05, -0.25, 0.05, -0.1, -0.2]
+
+
+def confirm_runs(p2: list[float], p1: list[float], first_seed: int) -> dict:
+    """Two arms' summaries, noise − untouched equal to ``p2`` and ``p1`` seed by seed, from seed ``first_seed``."""
+    def summary(entropy: float, kl: float) -> dict:
+        return {"preference_entropy": entropy, "preamble_kl": kl, "tax": 0.0, "val_end": 0.5, "commit": "c0ffee", "cpu": "test CPU"}
+
+    seeds = range(first_seed, first_seed + len(p2))
+    return {("DFPOMin", runs.E10_SETTING): {seed: summary(1.0, 0.2) for seed in seeds},
+            ("DFPOMin-SharedNoise", runs.E10_SETTING): {seed: summary(1.0 + a, 0.2 + b) for seed, a, b in zip(seeds, p2, p1)}}
+
+
+def test_e10_confirm_says_how_much_its_verdicts_rest_on_single_seeds_and_compares_its_p2_with_e10s():
+    from lab.cells import format_interval, format_p
+    from lab.sections_e10 import e10_confirm_section
+    from scipy import stats as scipy_stats
+
+    def tost(values: list[float]) -> float:
+        return max(scipy_stats.ttest_1samp(values, -0.10, alternative="greater").pvalue,
+                   scipy_stats.ttest_1samp(values, 0.10, alternative="less").pvalue)
+
+    text = "\n".join(e10_confirm_section(confirm_runs(CONFIRM_P2, CONFIRM_P1, 100), confirm_runs(EARLIER_P2, CONFIRM_P1, 0)))
+    assert "| P2: preference entropy (end) | primary | 10 |" in text and "**no difference larger than 0.10** |" in text
+    left_out = [tost(CONFIRM_P2[:i] + CONFIRM_P2[i + 1 :]) for i in range(10)]
+    fragile = [100 + i for i, p in enumerate(left_out) if p >= 0.05]
+    assert fragile == [101, 103, 105, 107, 109]  # the positive differences: without one, the mean moves towards −0.10
+    assert (f"P1's median difference 0.015 (mean {statistics.fmean(CONFIRM_P1):.3f}), its largest seed 62% of the 10 "
+            f"differences' sum, 9 of 10 seeds the predicted way; P2's TOST p (±0.10) with one seed left out "
+            f"{min(left_out):.3f}–{max(left_out):.3f}: 0.05 or above without any one of seeds 101, 103, 105, 107, 109 "
+            "(5 of 10), so its equivalence label is fragile.") in text
+    welch = scipy_stats.ttest_ind(EARLIER_P2, CONFIRM_P2, equal_var=False)
+    va, vb = statistics.variance(EARLIER_P2) / 10, statistics.variance(CONFIRM_P2) / 10
+    df = (va + vb) ** 2 / (va**2 / 9 + vb**2 / 9)
+    gap = statistics.fmean(EARLIER_P2) - statistics.fmean(CONFIRM_P2)
+    assert (f"E10 − E10-confirm {format_interval(gap, scipy_stats.t.ppf(0.975, df) * math.sqrt(va + vb))} "
+            f"(p {format_p(welch.pvalue)}): the two estimates are not distinguishable.") in text
+
+
+def test_a_robust_equivalence_label_is_not_called_fragile():
+    from lab.sections_e10 import e10_confirm_section
+
+    steady = [-0.01, 0.01, -0.02, 0.02, 0.0, -0.01, 0.01, 0.0, -0.02, 0.02]
+    text = "\n".join(e10_confirm_section(confirm_runs(steady, CONFIRM_P1, 100), {}))
+    assert "whichever seed is left out." in text and "fragile" not in text and "E10 − E10-confirm" not in text

@@ -172,6 +172,14 @@ def test_tost_rejects_exactly_when_the_90_percent_interval_is_inside_the_margin(
         assert (experiments.tost(differences, margin)[0] < 0.05) == (abs(mean) + half < margin)
 
 
+def test_leave_one_out_tost_is_scipys_tost_without_each_value_in_turn():
+    differences = [a - b for a, b in zip(SAMPLE, OTHER)]
+    expected = [max(scipy_stats.ttest_1samp(rest, -0.05, alternative="greater").pvalue,
+                    scipy_stats.ttest_1samp(rest, 0.05, alternative="less").pvalue)
+                for rest in (np.delete(differences, index) for index in range(len(differences)))]
+    assert experiments.leave_one_out_tost(differences, 0.05) == pytest.approx(expected, rel=1e-9)
+
+
 def test_slope_test_is_scipys_linregress():
     x, y = [0, 0, 1, 1, 2, 2, 3, 3], [1.0, 1.4, 3.0, 2.2, 2.0, 2.9, 5.0, 4.1]
     slope, half, p = experiments.slope_test(x, y)

@@ -5,6 +5,17 @@ The rule, re-implemented here from the docs rather than imported: "effect" where
 family applies) rejects at 0.05; "no difference larger than m" only where a margin m was stated for the outcome and
 TOST rejects at 0.05 (the 90% interval inside ±m); otherwise "inconclusive" (and so below 5 pairs). The checks read the
 text only, so they hold whatever code wrote it, and they fail on the labels the rule replaced (E9's old "null").
+
+The hand-written prose that quotes these numbers (the claims in docs/experiments.md, the E11 paragraph of
+docs/agents.md, README.md's bullets) is checked sentence by sentence against three lists: a phrasing that names one
+cause for a contrast its pre-registration calls confounded (``CONFOUNDED``, anchored to the pre-registration's own
+sentence); a ratio (``43×``, "an order of magnitude") in a sentence that names two settings (``SETTINGS``: an
+experiment's number or the words for its task); an E11 success claim that does not name the warm start it was shown
+from (``ONE_WARM_START``). The claims table's E11 rows must carry the generated table's verdict words. What these
+checks cannot catch: a cause named in other words than the listed ones ("thanks to agreement"), a confounded contrast
+not in ``CONFOUNDED``, a ratio whose two sides sit in different sentences or whose other side is named by neither an
+experiment's number nor a listed setting word, a ratio written out in words ("ten times"), and a comparison that is
+wrong for a reason other than these (two objectives that differ in more than the named part): those need a reader.
 """
 
 import math
@@ -170,7 +181,8 @@ def tost_line_problems(match: re.Match) -> list[str]:
 
 
 def columns(line: str) -> list[str]:
-    return [column.strip() for column in line.strip().strip("|").split("|")]
+    """A Markdown table row's cells (an escaped ``\\|`` stays inside its cell)."""
+    return [column.strip() for column in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
 
 
 def e10_row_problems(line: str) -> list[str]:
@@ -313,3 +325,157 @@ def test_the_checks_catch_a_claim_with_the_wrong_verdict():
     assert not readme_problems("(Holm p 0.22, TOST ±0.04 p 0.17: inconclusive)")[0]
     wrong = "-0.028 ± 0.027 (no difference larger than 0.04; p 0.044, Holm 0.22; TOST ±0.04 p 0.012; MDE 0.037; n=10)"
     assert any("90% interval" in problem for problem in generated_problems(wrong)[0])  # its interval reaches −0.050
+
+
+# ----------------------------------------------------------------------------------------------- the claims' prose
+AGENTS = ROOT / "docs" / "agents.md"
+CONFOUNDED = {
+    # a contrast: (the pre-registration's sentence that calls it confounded, the phrasings that name one cause for it)
+    "E11 P2": ("a difference in GRPO's tax between them cannot be put down to first-turn agreement alone",
+               re.compile(r"\b(?:where|when|because|since|if)\b[^.;|()]{0,40}\b(?:first turns?|episodes|groups?)\b"
+                          r"[^.;|()]{0,30}\b(?:agree|open the same way)", re.I)),
+}
+RATIO = re.compile(r"\d×|\border of magnitude\b|\b(?:times|fold) (?:larger|smaller|more|less|what)\b")
+SETTINGS = {  # the settings experiments ran in, by the names the prose gives them
+    "the scaffold task (E1–E10)": re.compile(r"\bE(?:[1-9]|10)\b|single-turn|scaffold", re.I),
+    "the agent quickstart (E11)": re.compile(r"\bE1[12]\b|\bagent|tool-using|\bacross (?:the )?turns|multi-turn", re.I),
+}
+ONE_WARM_START = re.compile(r"4 points|larger than 0\.04|no success")  # E11's P3, shown from the agreeing warm start only
+
+
+def sentences(text: str) -> list[str]:
+    return [sentence for sentence in re.split(r"(?<=[.;?])\s+", text.strip()) if sentence]
+
+
+def prose_blocks(text: str) -> list[list[str]]:
+    """A Markdown text's prose as blocks of sentences: a table row (the sentences of its cells), a bullet, a paragraph;
+    wrapped lines joined, headings and rules left out."""
+    blocks, current = [], []
+
+    def close() -> None:
+        if current:
+            blocks.append(sentences(" ".join(current)))
+            current.clear()
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("|"):
+            close()
+            if not set(stripped) <= set("|-: "):
+                blocks.append([sentence for column in columns(stripped) for sentence in sentences(column)])
+        elif not stripped or stripped.startswith("#"):
+            close()
+        else:
+            if stripped.startswith("* "):
+                close()
+            current.append(stripped.removeprefix("* "))
+    close()
+    return blocks
+
+
+def confound_problems(blocks: list[list[str]]) -> list[str]:
+    return [f"{sentence[:90]}…: names one cause for {contrast}, a contrast its pre-registration calls confounded"
+            for block in blocks for sentence in block for contrast, (_, cause) in CONFOUNDED.items() if cause.search(sentence)]
+
+
+def ratio_problems(blocks: list[list[str]]) -> list[str]:
+    problems = []
+    for sentence in (sentence for block in blocks for sentence in block):
+        named = [setting for setting, names in SETTINGS.items() if names.search(sentence)]
+        if RATIO.search(sentence) and len(named) > 1:
+            problems.append(f"{sentence[:90]}…: a ratio across experiments in different settings ({', '.join(named)})")
+    return problems
+
+
+def warm_start_problems(e11_blocks: list[list[str]]) -> list[str]:
+    """E11's success claims (P3: GRPO − DFPOMin within 4 points) hold from the agreeing warm start only: every E11
+    sentence that makes one names a warm start."""
+    return [f"{sentence[:90]}…: an E11 success claim that does not say from which warm start"
+            for block in e11_blocks for sentence in block if ONE_WARM_START.search(sentence) and "warm start" not in sentence]
+
+
+def claim_verdict_problems(claims: str, generated_text: str) -> list[str]:
+    """The claims table's E11 primary rows open their verdict with the generated table's verdict for that outcome."""
+    verdicts = {columns(line)[0].split(":")[0]: columns(line)[-1] for line in generated_text.splitlines() if line.startswith("| E11 P")}
+    problems = []
+    for line in claims.splitlines():
+        outcome = re.search(r"\((E11 P\d)\)", line)
+        if line.startswith("|") and outcome and not columns(line)[-1].startswith(verdicts[outcome.group(1)]):
+            problems.append(f"{outcome.group(1)}'s claim: {columns(line)[-1][:60]}…, the generated verdict is {verdicts[outcome.group(1)]}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def claims() -> str:
+    return between(DOC.read_text(), "### Claims and verdicts", "### Results")
+
+
+@pytest.fixture(scope="module")
+def agents_e11() -> str:
+    return between(AGENTS.read_text(), "## Cancellation across turns", "## Writing an environment")
+
+
+@pytest.fixture(scope="module")
+def prose(claims, agents_e11, bullets) -> list[list[str]]:
+    return prose_blocks(claims) + prose_blocks(agents_e11) + prose_blocks(bullets)
+
+
+@pytest.fixture(scope="module")
+def e11_prose(claims, agents_e11, bullets) -> list[list[str]]:
+    """The prose about E11: round 4's claims (its table and what E11 adds), docs/agents.md's paragraph, the README bullet."""
+    round4 = between(claims, "#### Round 4", "#### Round 3")
+    return prose_blocks(round4) + prose_blocks(agents_e11) + [block for block in prose_blocks(bullets) if "E11" in block[0]]
+
+
+def test_no_claim_names_one_cause_for_a_contrast_its_preregistration_calls_confounded(prose):
+    preregistrations = DOC.read_text().split("### Claims and verdicts")[0]
+    assert all(sentence in preregistrations for sentence, _ in CONFOUNDED.values())
+    problems = confound_problems(prose)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_claim_draws_a_ratio_across_experiments_in_different_settings(prose):
+    problems = ratio_problems(prose)
+    assert not problems, "\n".join(problems)
+    assert any(RATIO.search(sentence) for block in prose for sentence in block)  # the ratios within one setting are read
+
+
+def test_e11_success_claims_name_the_warm_start(e11_prose):
+    problems = warm_start_problems(e11_prose)
+    assert not problems, "\n".join(problems)
+    assert any(ONE_WARM_START.search(sentence) for block in e11_prose for sentence in block)
+
+
+def test_the_claims_give_e11s_primary_outcomes_their_generated_verdicts(claims, generated):
+    problems = claim_verdict_problems(claims, generated)
+    assert not problems, "\n".join(problems)
+    assert len(re.findall(r"\(E11 P\d\) \|", claims)) == 3
+
+
+# the E11 wording these checks replaced, as the claims, docs/agents.md and the README printed it: each check catches its own
+OLD_E11_README = ("* **Cancellation across turns (E11, a tool-using agent, pre-registered, 10 seeds)**: on turns a whole group shares, "
+                  "GRPO leaves 0.0270 ± 0.0016 of each update uncancelled, DFPOMin ≤ 3e-08 (Holm p <0.001: effect);\n"
+                  "  where first turns agree more, 0.0085 ± 0.0019 more (Holm p <0.001: effect); success GRPO − DFPOMin −0.010 ± "
+                  "0.020 (Holm p 0.28, TOST ±0.04 p 0.0035: no difference larger than 0.04).")
+OLD_E11_AGENTS = ("In training (experiment E11, pre-registered, 10 seeds, [experiments.md](experiments.md)) GRPO on the agent quickstart\n"
+                  "left 2.7% of each update uncancelled on shared turns (DFPOMin and DrGRPO 0), more where a group's first turns agree\n"
+                  "more often, and in 40 steps no success difference larger than 4 points against DFPOMin.")
+OLD_E11_ADDS = ("What E11 adds: across the turns of a tool-using agent the learning tax is real and an order of magnitude larger than\n"
+                "on single-turn completions (2.7% of each update, against 0.07–0.31%), it grows where a group's episodes open the same\n"
+                "way, and the objectives that cancel by design remove it. In 40 steps on this task it cost no success larger than\n"
+                "4 points and no entropy difference was detected.")
+OLD_E11_P1 = ("| does GRPO leave credit uncancelled on the turns a group of agent episodes shares? (E11 P1) | the agent quickstart | "
+              "GRPO's learning tax **0.0270 ± 0.0016** | **reproduced, the predicted direction**: across turns GRPO's per-episode "
+              "normaliser leaves 2.7% of each update uncancelled, 9–39× what it left on the single-turn scaffold task (E2: 0.07–0.31%) |")
+
+
+def test_the_prose_checks_catch_the_e11_wording_they_replaced(generated):
+    assert len(confound_problems(prose_blocks(OLD_E11_README + "\n\n" + OLD_E11_AGENTS + "\n\n" + OLD_E11_ADDS))) == 3
+    assert len(ratio_problems(prose_blocks(OLD_E11_ADDS + "\n\n" + OLD_E11_P1))) == 2
+    assert len(warm_start_problems(prose_blocks(OLD_E11_README + "\n\n" + OLD_E11_AGENTS + "\n\n" + OLD_E11_ADDS))) == 3
+    assert claim_verdict_problems(OLD_E11_P1, generated)
+    # the wording that replaced them passes
+    new = ("from the warm start whose groups' first turns agree more often (which also starts surer and more successful), "
+           "0.0085 ± 0.0019 more; from that warm start, success GRPO − DFPOMin −0.010 ± 0.020 (no difference larger than 0.04).")
+    assert not confound_problems(prose_blocks(new)) and not warm_start_problems(prose_blocks(new))
+    assert not ratio_problems(prose_blocks("GRPO's tax 0.102 ± 0.006 (untouched 6e-9; 43× E2's GRPO; Holm < 0.001)."))

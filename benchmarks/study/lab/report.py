@@ -12,11 +12,13 @@ from pathlib import Path
 from lab.cells import EQUIVALENCE_MARGIN, FAMILIES, finite_values, format_p, pair
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, RESULTS, ROOT, STUDY
 from lab.sections import SHARED, experiment_sections
-from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_verdict
+from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_verdict, seed_dependence
 from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
 from lab.sections_e11 import AGREEING, MIXED
 from lab.sections_e11 import PRIMARY as E11_PRIMARY
 from lab.stats import (
+    ALPHA,
+    equivalent,
     fieller_interval,
     mean_interval,
     paired_difference,
@@ -200,7 +202,9 @@ P2, _, P2_MARGIN = E10_OUTCOMES[1]  # E10's preference drift: its key, label and
 def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
     """E10's bullet: the noise arm's and GRPO's preference drift (P2) with the verdicts of the pre-registered tests, and
     E10-confirm's fresh seeds (``confirm``, its runs) with the replication verdict its pre-registration fixed. The
-    headline names what E10 tested there: one of its two primary outcomes, with its Holm-adjusted p."""
+    headline names what E10 tested there: one of its two primary outcomes, with its Holm-adjusted p. E10-confirm's
+    numbers say how much they rest on single seeds (:func:`lab.sections_e10.seed_dependence`): an equivalence label that
+    leaving out one seed undoes is called fragile, and P1's median and sign count stand beside its mean."""
     arms = {arm: seeds for (arm, _), seeds in runs.items()}
     base = finite_values(arms[BASE], P2)
     noise, noise_half, n = paired_difference(finite_values(arms["DFPOMin-SharedNoise"], P2), base)
@@ -227,18 +231,25 @@ def e10_readme_lines(runs: dict, confirm: dict | None = None) -> list[str]:
     p1 = E10_OUTCOMES[0][0]
     kl_a, kl_b = finite_values(confirmed.get("DFPOMin-SharedNoise", {}), p1), finite_values(confirmed.get(BASE, {}), p1)
     kl, kl_half, _ = paired_difference(kl_a, kl_b)
+    dependence = seed_dependence(confirmed.get("DFPOMin-SharedNoise", {}), confirmed.get(BASE, {}))
+    fragile = [p for p in dependence.tost_left_out.values() if p >= ALPHA]
+    label = (f", a fragile label: TOST p {min(fragile):.3f}–{max(fragile):.3f} without any one of {len(fragile)} seeds"
+             if fragile and verdict(p, p_tost, P2_MARGIN) == equivalent(P2_MARGIN) else "")
     headline = f"{drift} {'replicated' if replicated else 'did not replicate'} on fresh seeds"
     return [f"* **Zero-mean credit on shared, uncertain tokens: {headline}** (forced branching, pre-registered):",
             f"  {e10};",
             f"  E10-confirm ({again_n} fresh seeds, one primary test): {_signed(again, 3)} ± {again_half:.3f} "
-            f"({_claim(None, (), p, P2_MARGIN, p_tost)}); its secondary, the KL at the shared contexts, {_signed(kl, 3)} ± "
-            f"{kl_half:.3f} ({_claim(None, (), paired_t_test(kl_a, kl_b)[1])});",
+            f"({_claim(None, (), p, P2_MARGIN, p_tost)}){label}; its secondary, the KL at the shared contexts, "
+            f"{_signed(kl, 3)} ± {kl_half:.3f}, median {_signed(dependence.kl_median, 3)}, {dependence.kl_predicted} of "
+            f"{dependence.pairs} seeds the predicted way ({_claim(None, (), paired_t_test(kl_a, kl_b)[1])});",
             f"  {grpo}"]
 
 
 def e11_readme_lines(runs: dict) -> list[str]:
-    """E11's bullet: GRPO's tax on shared turns (P1), how much larger it is where a group's first turns agree more (P2),
-    and held-out success (P3), each with the verdict of its pre-registered test (after :func:`generated`)."""
+    """E11's bullet: GRPO's tax on shared turns (P1); how much larger it is from the warm start whose groups' first
+    turns agree more often, which also starts surer and more successful (P2, a contrast of two warm starts that the
+    pre-registration calls confounded, so no cause is named); held-out success from that warm start (P3, the only one
+    it was tested from); each with the verdict of its pre-registered test (after :func:`generated`)."""
     grpo, dfpo, mixed = (finite_values(runs.get((arm, setting), {}), "tax") for arm, setting in
                          (("GRPO", AGREEING), ("DFPOMin", AGREEING), ("GRPO", MIXED)))
     if not grpo or not dfpo or not mixed:
@@ -249,10 +260,13 @@ def e11_readme_lines(runs: dict) -> list[str]:
     gap, gap_half, _ = paired_difference(*success)
     equivalence = tost(paired_values(*success), EQUIVALENCE_MARGIN)[0]
     cancelled = max(run["tax_max"] for (arm, _), seeds in runs.items() if arm == "DFPOMin" for run in seeds.values())
+    entropy, start = ([_mean(runs[("GRPO", setting)], key) for setting in (AGREEING, MIXED)] for key in ("entropy_start", "val_start"))
     return [f"* **Cancellation across turns (E11, a tool-using agent, pre-registered, {seeds} seeds)**: on turns a whole group "
             f"shares, GRPO leaves {_signed(tax, 4)} ± {tax_half:.4f} of each update uncancelled, DFPOMin ≤ {cancelled:.0e} "
             f"({_claim(E11_PRIMARY, ('E11 P1',))});",
-            f"  where first turns agree more, {_signed(larger, 4)} ± {larger_half:.4f} more ({_claim(E11_PRIMARY, ('E11 P2',))}); "
+            f"  from the warm start whose groups' first turns agree more often (which also starts surer and more successful: "
+            f"entropy {entropy[0]:.2f} against {entropy[1]:.2f}, success {start[0]:.2f} against {start[1]:.2f}), "
+            f"{_signed(larger, 4)} ± {larger_half:.4f} more ({_claim(E11_PRIMARY, ('E11 P2',))}); from that warm start, "
             f"success GRPO − DFPOMin {_signed(gap, 3)} ± {gap_half:.3f} "
             f"({_claim(E11_PRIMARY, ('E11 P3',), margin=EQUIVALENCE_MARGIN, p_equivalence=equivalence)})."]
 

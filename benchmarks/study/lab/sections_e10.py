@@ -8,6 +8,8 @@ as an identity check against ``DFPOMin`` (no test); the quantities reported with
 """
 
 import math
+import statistics
+from typing import NamedTuple
 
 from lab.cells import (
     EQUIVALENCE_MARGIN,
@@ -27,6 +29,7 @@ from lab.runs import E10_SEEDS, E10_SETTING, E10C_ARMS, E10C_SEEDS, WALL_CLOCK, 
 from lab.stats import (
     ALPHA,
     equivalent,
+    leave_one_out_tost,
     mean_interval,
     minimal_detectable_effect,
     paired_difference,
@@ -36,6 +39,7 @@ from lab.stats import (
     t_quantile,
     tost,
     verdict,
+    welch_test,
 )
 from lab.summaries import at_matched_movement, matched_movement
 
@@ -281,6 +285,46 @@ def _confirm_row(noise: dict[int, dict], base: dict[int, dict], key: str, label:
             f"| {agreeing} of {n} (sign p {format_p(sign_test(agreeing, n))}) | **{call}** |"), call
 
 
+class SeedDependence(NamedTuple):
+    """How much E10-confirm's two verdicts rest on single seeds (descriptive, no test)."""
+
+    kl_mean: float  # P1, noise − untouched
+    kl_median: float
+    kl_largest_share: float  # the largest difference in the predicted direction, as a share of the differences' sum
+    kl_predicted: int  # seeds that go the predicted way
+    pairs: int
+    tost_left_out: dict[int, float]  # P2's TOST p with each seed left out
+
+
+def seed_dependence(noise: dict[int, dict], base: dict[int, dict]) -> SeedDependence:
+    """P1's median, largest seed's share and sign count beside its mean; P2's TOST p (E10's margin) with each seed
+    left out, by seed (:func:`lab.stats.leave_one_out_tost`)."""
+    (p2, _, margin, _, _), (p1, _, _, predicted, _) = CONFIRM_OUTCOMES
+    kl = paired_values(finite_values(noise, p1), finite_values(base, p1))
+    a, b = finite_values(noise, p2), finite_values(base, p2)
+    left_out = leave_one_out_tost(paired_values(a, b), margin)
+    toward = predicted * sum(kl)
+    share = max(d * predicted for d in kl) / toward if toward > 0 else math.nan
+    return SeedDependence(statistics.fmean(kl), statistics.median(kl), share, sum(1 for d in kl if d * predicted > 0),
+                          len(kl), dict(zip(sorted(set(a) & set(b)), left_out)))
+
+
+def _seed_dependence_line(dependence: SeedDependence, p2_call: str) -> str:
+    """The line under E10-confirm's table: P1's median and its largest seed beside its mean; the TOST p of P2 with one
+    seed left out, and whether P2's equivalence label (where it has one) survives leaving out any one seed."""
+    margin = CONFIRM_OUTCOMES[0][2]
+    left_out = dependence.tost_left_out
+    fragile = [seed for seed, p in left_out.items() if p >= ALPHA]
+    p2 = f"P2's TOST p (±{margin:.2f}) with one seed left out {min(left_out.values()):.3f}–{max(left_out.values()):.3f}"
+    if p2_call == equivalent(margin):
+        p2 += (f": {ALPHA:g} or above without any one of seeds {seed_ranges(fragile)} ({len(fragile)} of {len(left_out)}), "
+               "so its equivalence label is fragile" if fragile else f": below {ALPHA:g} whichever seed is left out")
+    return (f"How much the verdicts rest on single seeds (descriptive, no test): P1's median difference "
+            f"{dependence.kl_median:.3f} (mean {dependence.kl_mean:.3f}), its largest seed {dependence.kl_largest_share:.0%} "
+            f"of the {dependence.pairs} differences' sum, {dependence.kl_predicted} of {dependence.pairs} seeds the predicted "
+            f"way; {p2}.")
+
+
 def e10_confirm_section(runs: dict, e10: dict) -> list[str]:
     """E10-confirm's table (``(arm, setting) -> seed -> summary`` of its runs), its replication verdict by the
     pre-registered rule, and the descriptive pooled estimate over E10's and E10-confirm's seeds (``e10``: E10's runs)."""
@@ -307,7 +351,8 @@ def e10_confirm_section(runs: dict, e10: dict) -> list[str]:
     lines += ["", f"Manipulation check (no test): learning tax {format_interval(tax[0], tax[1], 4)}; `val/accuracy` at step 40 "
               f"{format_interval(accuracy[0], accuracy[1])} (n={accuracy[2]}).", "",
               f"**Replication of E10's P2 effect (the pre-registered rule: E10-confirm's P2 verdict alone): "
-              f"{'replicated' if replicated else 'not replicated'}.**"]
+              f"{'replicated' if replicated else 'not replicated'}.**", "",
+              _seed_dependence_line(seed_dependence(noise, base), calls["preference_entropy"])]
     e10_arms = {name: seeds for (name, setting), seeds in e10.items() if setting == E10_SETTING}
     earlier_noise, earlier_base = e10_arms.get("DFPOMin-SharedNoise", {}), e10_arms.get(BASE, {})
     pooled = {key: paired_values(finite_values(earlier_noise, key), finite_values(earlier_base, key))
@@ -317,4 +362,12 @@ def e10_confirm_section(runs: dict, e10: dict) -> list[str]:
     if described:
         lines += ["", "Pooled over E10's seeds and E10-confirm's (descriptive only, not a test: E10's seeds chose this "
                   f"follow-up), noise − untouched: {'; '.join(described)}."]
+    key = CONFIRM_OUTCOMES[0][0]
+    earlier, again = (paired_values(finite_values(a, key), finite_values(b, key))
+                      for a, b in ((earlier_noise, earlier_base), (noise, base)))
+    if min(len(earlier), len(again)) >= 2:
+        gap, half, p, _ = welch_test(earlier, again)
+        lines += ["", f"E10's P2 estimate against E10-confirm's (Welch on the two sets of paired differences, descriptive): "
+                  f"E10 − E10-confirm {format_interval(gap, half)} (p {format_p(p)}): the two estimates are "
+                  f"{'not distinguishable' if p >= ALPHA else 'different'}."]
     return lines

@@ -4,8 +4,8 @@ Primary (one Holm family of 3): P1 the learning tax, ``GRPO`` − ``DFPOMin`` at
 GRPO's tax, agreeing − mixed, Welch; P3 held-out success, ``GRPO`` − ``DFPOMin`` at the agreeing warm start, paired,
 with TOST ±0.04 (one TOST, not adjusted). Secondary, each family Holm-adjusted on its own: S1 entropy over the last 5
 steps, S2 the normaliser (``DrGRPO`` − ``GRPO``), S3 the mixed warm start, S4 the success interaction (Welch on paired
-differences), S5 P2's test on the tax over steps 0-9. Then the manipulation check, the identity checks and the numbers
-reported without tests.
+differences), S5 P2's test on the tax over steps 0-9. Then P2's confound (the warm starts' step-0 entropy and success,
+no test), the manipulation check, the identity checks and the numbers reported without tests.
 """
 
 import hashlib
@@ -117,6 +117,28 @@ def _primary_table(agreeing: dict[str, dict[int, dict]], mixed: dict[str, dict[i
                      finite_values(grpo, "val_end"), finite_values(dfpo, "val_end"), True, 3, predicted=0,
                      margin=EQUIVALENCE_MARGIN),
     ]
+
+
+COVARIATES = (("entropy_start", "entropy (`health/entropy_mean`)"), ("val_start", "held-out success (`val/accuracy`)"))
+
+
+def confound_line(agreeing: dict[str, dict[int, dict]], mixed: dict[str, dict[int, dict]]) -> str:
+    """P2's confound, as the pre-registration named it (no test): the two warm starts differ at step 0 in more than how
+    often first turns agree. Each covariate's means (``GRPO``'s runs: the arms' step-0 episodes are the same) and their
+    distance in within-warm-start SDs (the root of the mean of the two warm starts' variances across seeds)."""
+    parts = []
+    for key, label in COVARIATES:
+        values = [list(finite_values(arms["GRPO"], key).values()) for arms in (agreeing, mixed)]
+        if min(map(len, values)) < 2:
+            return "P2's confound: not both warm starts have two runs yet."
+        means = [statistics.fmean(v) for v in values]
+        spread = math.sqrt(statistics.fmean(statistics.variance(v) for v in values))
+        apart = (f"{abs(means[0] - means[1]) / spread:.1f} within-warm-start SDs apart" if spread
+                 else "no spread within either warm start")
+        parts.append(f"{label} {means[0]:.3f} against {means[1]:.3f}, {apart}")
+    return ("P2's confound (named in the pre-registration, no test): the warm starts differ at step 0 in more than how often "
+            f"first turns agree; the agreeing one against the mixed one: {'; '.join(parts)}. P2's difference is what the "
+            "two warm starts give, not agreement alone.")
 
 
 def _interaction(agreeing: dict[str, dict[int, dict]], mixed: dict[str, dict[int, dict]]) -> list[list[float]]:
@@ -276,7 +298,8 @@ def e11_section(runs: dict) -> list[str]:
               "predicted direction, P3 a paired t-test with TOST ±0.04 beside it, not adjusted); an effect is called only "
               f"on the Holm-adjusted p, a comparison with fewer than {MIN_SEEDS} seeds is inconclusive. SD: of the paired "
               "differences (P1, P3) or of each warm start's runs (P2).", ""]
-    lines += _primary_table(agreeing, mixed) + ["", "Secondary outcomes, each family Holm-adjusted on its own (S1 4 tests, "
+    lines += _primary_table(agreeing, mixed) + ["", confound_line(agreeing, mixed), "",
+                                                  "Secondary outcomes, each family Holm-adjusted on its own (S1 4 tests, "
                                                   "S2 4, S3 2, S4 1, S5 1); cells paired by seed unless Welch is named:", ""]
     lines += _secondary_lines(agreeing, mixed) + ["", "Reported without tests (mean ± 95% t-interval over seeds; step 0 is "
                                                   "the warm start's own episodes, before any update):", ""]

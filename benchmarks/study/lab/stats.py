@@ -5,7 +5,8 @@ Every test is over seeds, paired where two arms share a seed:
 * :func:`mean_interval`, :func:`paired_difference`: the t-interval of a mean, of a paired difference;
 * :func:`t_test`, :func:`paired_t_test`: the two-sided one-sample / paired t-test's p-value;
 * :func:`holm`: Holm's step-down adjusted p-values over a family of tests;
-* :func:`tost`: the paired equivalence test (two one-sided t-tests with a margin);
+* :func:`tost`: the paired equivalence test (two one-sided t-tests with a margin); :func:`leave_one_out_tost`, its p
+  with each value left out in turn;
 * :func:`minimal_detectable_effect`: the smallest true difference a test finds with 80% power;
 * :func:`slope_interval`: a least-squares slope with its t-interval and p-value;
 * :func:`fieller_interval`, :func:`bootstrap_ratio_interval`: intervals for a ratio of paired means;
@@ -170,6 +171,12 @@ def tost(values: list[float], margin: float) -> tuple[float, float, float]:
     _, lower = t_test(values, -margin, "greater")
     _, upper = t_test(values, margin, "less")
     return max(lower, upper), lower, upper
+
+
+def leave_one_out_tost(values: list[float], margin: float) -> list[float]:
+    """The :func:`tost` p of ``values`` with each one left out in turn, in their order: how much an equivalence verdict
+    rests on single seeds."""
+    return [tost(values[:index] + values[index + 1 :], margin)[0] for index in range(len(values))]
 
 
 def minimal_detectable_effect(half: float, n: int, confidence: float = 0.95, power: float = 0.8, df: float | None = None) -> float:
