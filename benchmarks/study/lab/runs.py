@@ -155,6 +155,28 @@ def e11_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
             "--trainer.callbacks+=lab.parts.FirstTurnAgreement")
 
 
+
+# E12 (pre-registered in docs/experiments.md): does agreement itself raise GRPO's tax? From each of E11's warm starts, a
+# group's episodes forced to share their first turn (forced_branching.ForcedFirstTurn) against E11's independent episodes
+E12_SEEDS = {"GRPO-forced": tuple(range(200, 226)), "GRPO-independent": tuple(range(200, 226)),
+             "DFPOMin-forced": tuple(range(200, 205))}
+E12_PILOT_SEED = 1000
+
+
+def e12_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
+    """An E12 run's overrides: E11's run of the arm's objective at ``warm_start``, and for a forced arm the forcing engine
+    (groups of the config's 8 episodes) and its count of groups that end at their shared first turn."""
+    objective_name, sampling = arm.split("-")
+    forced = ("--model.init_args.engine=forced_branching.ForcedFirstTurn", "--model.init_args.engine.init_args.group_size=8",
+              "--trainer.callbacks+=lab.parts.FinalFirstTurn")
+    return (*e11_overrides(warm_start, objective_name), *(forced if sampling == "forced" else ()))
+
+
+def e12_pilot_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
+    """E12's check before its main runs: 4 steps at a learning rate too small to move the policy, no validation."""
+    return (*e12_overrides(warm_start, arm), "--trainer.max_steps=4", "--model.init_args.optimizer.init_args.lr=1e-12",
+            "--trainer.limit_val_batches=0")
+
 def sft_agent_command(tool_share: float, output_dir: str, save_dir: str) -> list[str]:
     """configs/sft-agent.yaml (the recipe of the shipped ``embedded:tiny-agent``) at ``tool_share``, saved to ``output_dir``."""
     return ["lit-cancel", "fit", "--config", SFT_AGENT_CONFIG, f"--data.init_args.task.init_args.tool_share={tool_share}",
@@ -170,6 +192,12 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     if name == "E11":  # likewise
         return [Run(name, arm, e11_setting(warm_start), seed, e11_overrides(warm_start, arm), AGENT_CONFIG)
                 for warm_start in E11_TOOL_SHARES for seed in E11_SEEDS for arm in E11_ARMS]
+    if name == "E12":  # likewise
+        return [Run(name, arm, e11_setting(warm_start), seed, e12_overrides(warm_start, arm), AGENT_CONFIG)
+                for warm_start in E11_TOOL_SHARES for arm, arm_seeds in E12_SEEDS.items() for seed in arm_seeds]
+    if name == "E12P":  # E12's pilot check, at a seed outside the confirmatory ones
+        return [Run(name, arm, e11_setting(warm_start), E12_PILOT_SEED, e12_pilot_overrides(warm_start, arm), AGENT_CONFIG)
+                for warm_start in E11_TOOL_SHARES for arm in ("GRPO-forced", "GRPO-independent")]
     runs = []
     for seed in seeds:
         if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting; GRPO and DFPOMin also at half the rate
@@ -243,7 +271,7 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11", "E12", "E12P")
 PROBES = ("E6",)
 
 
