@@ -6,7 +6,7 @@ import math
 import statistics
 
 import pytest
-from lab import summaries
+from lab import sections_e12, summaries
 from lab.cells import FAMILIES
 from lab.sections import experiment_sections
 from lab.sections_e12 import READINGS, e12_results, e12_section, forcing_works
@@ -247,3 +247,40 @@ def test_the_report_has_no_e12_section_until_a_run_is_stored(tmp_path):
     lines = experiment_sections({"E12P": pilot}, {})
     assert any(line.startswith("#### E12") for line in lines) and "No main runs stored yet." in lines
     assert e12_section({})[-1] == "No main runs stored yet."
+
+
+def test_the_report_says_whether_every_run_started_from_e11s_warm_start_weights(tmp_path):
+    write_runs(tmp_path, plan_of("raises, does not raise"))
+    for path in tmp_path.glob("*.json"):
+        run = json.loads(path.read_text())
+        run["model_sha256"] = "a" * 64 if "agreeing" in path.name else "m" * 64
+        path.write_text(json.dumps(run))
+    arms = sections_e12._arms(load_e12(tmp_path))
+    e11 = {"agreeing": "a" * 64, "mixed": "m" * 64}
+    assert sections_e12.warm_start_lines(arms, e11.get) == [
+        "* agreeing: the warm start's weights of its 57 runs against E11's: E11's weights.",
+        "* mixed: the warm start's weights of its 57 runs against E11's: E11's weights.",
+    ]
+    path = tmp_path / "GRPO-independent-mixed-tool50-seed207.json"
+    run = json.loads(path.read_text())
+    run["model_sha256"] = "r" * 64  # rebuilt on another machine: other weights
+    path.write_text(json.dumps(run))
+    arms = sections_e12._arms(load_e12(tmp_path))
+    assert sections_e12.warm_start_lines(arms, e11.get)[1].endswith("against E11's: NOT E11's weights at seeds 207.")
+    assert sections_e12.warm_start_lines(arms, lambda warm_start: None)[0].endswith("E11's record of its weights is missing: not compared.")
+    # the stored E11 records are what the report compares with by default
+    assert all(len(sections_e12.e11_warm_start_sha256(warm_start)) == 64 for warm_start in ("agreeing", "mixed"))
+
+
+def test_the_runner_stores_the_sha256_of_the_warm_start_a_run_starts_from(tmp_path, monkeypatch):
+    import hashlib
+
+    from lab import runs
+
+    monkeypatch.setattr(runs, "ROOT", tmp_path)
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "warm" / "model.safetensors").write_bytes(b"weights")
+    assert runs.model_sha256("lit-cancel fit --model.init_args.model_path=warm --seed_everything=1") == \
+        hashlib.sha256(b"weights").hexdigest()
+    assert runs.model_sha256("lit-cancel fit --model.init_args.model_path=embedded:tiny-agent") is None
+    assert runs.model_sha256("lit-cancel fit --config configs/quickstart-agent.yaml") is None

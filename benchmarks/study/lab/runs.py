@@ -349,19 +349,37 @@ def execute(run: Run, threads: int | None = None) -> None:
         raise RuntimeError(f"{run.path.name}: {error}") from None
     record = {"experiment": run.experiment, "arm": run.arm, "setting": run.setting, "seed": run.seed, "command": command,
               "wall_s": round(wall, 1), "provenance": provenance(threads), "scalars": logged}
+    if weights := model_sha256(command):
+        record["model_sha256"] = weights
     run.path.parent.mkdir(parents=True, exist_ok=True)
     partial = run.path.with_suffix(".part")
     partial.write_text(json.dumps(record, separators=(",", ":")))
     partial.rename(run.path)
 
 
+def model_sha256(command: str) -> str | None:
+    """The SHA-256 of the weights a command starts from, where its ``model_path`` is a folder of the repository (a warm
+    start); None otherwise."""
+    import hashlib
+
+    for part in shlex.split(command):
+        if part.startswith("--model.init_args.model_path="):
+            weights = ROOT / part.split("=", 1)[1] / "model.safetensors"
+            return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+    return None
+
+
 def build_e11_warmstart(warm_start: str, threads: int | None = None) -> None:
     """Trains E11's ``warm_start`` by configs/sft-agent.yaml at its tool share and stores beside it a JSON of the command,
-    the provenance, the recipe's scalars and the SHA-256 of the weights it saved."""
+    the provenance, the recipe's scalars and the SHA-256 of the weights it saved. A record stored already (E11's own,
+    in the repository) is kept: the runs made from a rebuilt warm start store its weights' SHA-256 (:func:`execute`),
+    so the report can say whether they started from E11's weights."""
     import hashlib
 
     folder = ROOT / e11_warmstart(warm_start)
     logged, wall, command = fit(sft_agent_command(E11_TOOL_SHARES[warm_start], e11_warmstart(warm_start), TMP), threads)
+    if folder.with_suffix(".json").exists():
+        return
     weights = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     record = {"warm_start": warm_start, "tool_share": E11_TOOL_SHARES[warm_start], "command": command, "wall_s": round(wall, 1),
               "model_sha256": weights, "provenance": provenance(threads), "scalars": logged}

@@ -8,12 +8,13 @@ identity checks, the combined reading at each warm start, the numbers reported w
 main runs (E12P), which can stop the study.
 """
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
 
 from lab.cells import FAMILIES, MIN_SEEDS, cell, finite_values, format_interval, format_p, seed_ranges, where_runs_ran
-from lab.runs import E11_STEPS, E12_PILOT_SEED, E12_SEEDS, e11_setting
+from lab.runs import E11_STEPS, E12_PILOT_SEED, E12_SEEDS, RESULTS, e11_setting
 from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
 from lab.summaries import E11_EARLY_STEPS, E11_LAST_STEPS
 
@@ -202,6 +203,33 @@ def identity_lines(arms: dict[str, dict[str, dict[int, dict]]]) -> list[str]:
     return ["Identity checks (pre-registered, no test):", "", *lines] if lines else []
 
 
+def e11_warm_start_sha256(warm_start: str) -> str | None:
+    """The SHA-256 of E11's ``warm_start`` weights, from the record stored beside them (None where there is none)."""
+    record = RESULTS / "E11" / f"warmstart-{e11_setting(warm_start)}.json"
+    return json.loads(record.read_text()).get("model_sha256") if record.exists() else None
+
+
+def warm_start_lines(arms: dict[str, dict[str, dict[int, dict]]], e11_sha256=e11_warm_start_sha256) -> list[str]:
+    """Whether every run started from E11's weights at its warm start (the SHA-256 the runner stored with each run
+    against E11's record)."""
+    lines = []
+    for warm_start in WARM_STARTS:
+        runs = [(arm, seed, run) for arm, by_seed in arms[warm_start].items() for seed, run in sorted(by_seed.items())]
+        if not runs:
+            continue
+        expected = e11_sha256(warm_start)
+        unknown = [run for _, _, run in runs if run.get("model_sha256") is None]
+        other = sorted({seed for _, seed, run in runs if run.get("model_sha256") not in (None, expected)})
+        if expected is None:
+            state = "E11's record of its weights is missing: not compared"
+        elif other:
+            state = f"NOT E11's weights at seeds {seed_ranges(other)}"
+        else:
+            state = "E11's weights" + (f" ({len(unknown)} runs stored without their weights' SHA-256)" if unknown else "")
+        lines.append(f"* {warm_start}: the warm start's weights of its {len(runs)} runs against E11's: {state}.")
+    return lines
+
+
 def combined_reading(primary: str, success: str, entropy: str, holds: bool) -> str:
     """The pre-registered combined reading at one warm start from P's, S1's and S2's verdicts and the manipulation check."""
     unmoved = success == within(S1.margin) and entropy == within(S2.margin)
@@ -324,6 +352,8 @@ def e12_section(runs: dict, pilot: dict | None = None) -> list[str]:
     lines += [_stored_line(runs), ""] + manipulation_lines(arms) + [""]
     identity = identity_lines(arms)
     lines += identity + ([""] if identity else [])
+    lines += ["The warm starts (their weights' SHA-256, as the runner stored it with each run, against E11's record):", "",
+              *warm_start_lines(arms), ""]
     lines += ["Primary outcome, one Holm family of the 2 tests (paired two-sided t-tests over the seeds both arms have, "
               f"predicted > 0), their TOST p within ±{PRIMARY.margin:g} a Holm family of 2 of their own; an effect is called "
               f"only on the Holm-adjusted p, a comparison with fewer than {MIN_SEEDS} pairs is inconclusive. SD: of the paired "

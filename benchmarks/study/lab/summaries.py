@@ -195,8 +195,9 @@ def load_e11(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict
 def e12_summary(record: dict) -> dict:
     """:func:`e11_summary` plus E12's own numbers (pre-registered in docs/experiments.md): the entropy over the run
     (S2) and over steps 0-9 (as the tax's, ``tax_early``), the largest absolute tax at any step (the identity check),
-    the steps whose first-turn agreement is not 1 (the manipulation check: a forced run agrees at every step), and the
-    share of groups that end at their shared first turn (the forced arms only)."""
+    the steps whose first-turn agreement is not 1 (the manipulation check: a forced run agrees at every step), the
+    share of groups that end at their shared first turn (the forced arms only) and the SHA-256 of the warm start's
+    weights it started from (``lab.runs.model_sha256``; None in a record stored without it)."""
     tax = _values(record, "health/learning_tax")
     entropy = record["scalars"].get("health/entropy_mean", [])
     agreement = record["scalars"].get("rollout/first_turn_agreement", [])
@@ -208,6 +209,7 @@ def e12_summary(record: dict) -> dict:
         "agreement_points": len(agreement),
         "disagreeing_steps": tuple(int(step) for step, value in agreement if value != 1),
         "forced_final": _mean(_values(record, "rollout/forced_final_first_turn")),
+        "model_sha256": record.get("model_sha256"),
     }
 
 
