@@ -73,7 +73,8 @@ class Task(ABC):
 
     def demonstration(self, record: Record, rng: random.Random) -> list[tuple[str, str]]:
         """A rollout that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn is
-        trained and closed by EOS, observations are not): here one of the task's solutions, drawn by ``rng``, as one turn."""
+        trained and closed by EOS, observations are not; a pair whose turn is empty is text before the first turn): here
+        one of the task's solutions, drawn by ``rng``, as one turn."""
         return [(rng.choice(self.solutions(record)), "")]
 
     def new_tokens_limit(self, max_new_tokens: int | None) -> tuple[int | None, str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.agents.environment import Environment, EnvironmentFailure, new_environment, reset_episode
+from lit_cancel.agents.environment import Environment, EnvironmentFailure, new_environment, reset_episode, step_episode
 from lit_cancel.agents.episodes import Episode, EpisodeLimits, run_episodes
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import TRLEnvironment, dataset_row, from_trl_factory, rendered
@@ -37,13 +37,15 @@ class AgentTask(Task):
         max_episode_tokens: tokens after the prompt per episode at most, the policy's and the environment's.
 
     A subclass makes the records and one :meth:`environment` per episode, and scores episodes where the environment
-    does not; :meth:`demonstrations` (episodes that succeed) are what a supervised warm-up trains on.
+    does not; :meth:`demonstration` (an episode that succeeds: :meth:`demonstration_turns` replayed against a new
+    environment) is what a supervised warm-up trains on.
     """
 
     rollout_in_one_call = False  # the policy is asked once per turn, the environment answering between turns
 
     def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512) -> None:
         self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens)
+        self.train_positions: dict[int, int] | None = None
 
     @abstractmethod
     def environment(self) -> Environment:
@@ -67,10 +69,27 @@ class AgentTask(Task):
         except EnvironmentFailure as error:
             raise ValueError(str(error)) from error
 
+    def demonstration_turns(self, record: Record, rng: random.Random) -> list[str]:
+        """The policy's turns of one episode that succeeds on ``record``: the task's first solution as one turn here."""
+        return [self.solutions(record)[0]]
+
     def demonstration(self, record: Record, rng: random.Random) -> Demonstration:
         """One episode that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn
-        is trained and closed by EOS, observations are not); the task's first solution as one turn by default."""
-        return [(self.solutions(record)[0], "")]
+        is trained and closed by EOS, observations are not): :meth:`demonstration_turns` replayed against a new
+        environment (:func:`replayed`), so that each observation is the one the environment gives."""
+        return replayed(self.environment_factory, record, self.demonstration_turns(record, rng), self.limits.max_turns,
+                        self.demonstrated(record))
+
+    def demonstrated(self, record: Record) -> str:
+        """How messages name ``record``, a training record being demonstrated: ``"train record 3 ('train.jsonl' line
+        4)"`` (:func:`~lit_cancel.rounds.draw.record_names`), or by its prompt where it is none of the task's."""
+        if self.train_positions is None:
+            self.train_positions = {id(train_record): index for index, train_record in enumerate(self.train_records())}
+        index = self.train_positions.get(id(record))
+        if index is not None:
+            return record_names(self, "train", [index])[0]
+        prompt = str(record["prompt"])
+        return f"the record with the prompt {prompt if len(prompt) <= 60 else prompt[:57] + '...'!r}"
 
     def new_tokens_limit(self, max_new_tokens: int | None) -> tuple[int | None, str, str]:
         return self.limits.max_episode_tokens, "max_episode_tokens", "the task's max_episode_tokens"
@@ -119,6 +138,9 @@ class EnvironmentTask(AgentTask):
             (:class:`~lit_cancel.agents.HermesCalls`, Qwen2.5's, when None; :class:`~lit_cancel.agents.ColonCalls` for the
             embedded agent): what TRL reads from the tokenizer's chat template. An ``environment`` of your own parses its
             turns itself.
+        demonstration_turns: ``(record) -> list of texts``, the policy's turns of an episode that succeeds on a record (a
+            scripted policy), replayed against a new environment to make the demonstrations a supervised warm-up trains
+            on (:meth:`demonstration`); None: the task's first solution as one turn.
 
     Example (YAML)::
 
@@ -137,7 +159,8 @@ class EnvironmentTask(AgentTask):
                  trl_environment: type | Callable[[], object] | None = None, reward_funcs: list[Callable | str] | None = None,
                  reward_weights: list[float] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
                  max_episode_tokens: int = 512, tool_timeout: float | None = None, chat_template: str | None = None,
-                 call_format: CallFormat | None = None) -> None:
+                 call_format: CallFormat | None = None,
+                 demonstration_turns: Callable[[Record], list[str]] | None = None) -> None:
         super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
         if (environment is None) == (trl_environment is None):
             raise ValueError("EnvironmentTask: give exactly one of environment (an Environment factory) and trl_environment "
@@ -150,7 +173,8 @@ class EnvironmentTask(AgentTask):
         if call_format is not None and not isinstance(call_format, CallFormat):
             raise ValueError(f"EnvironmentTask: call_format must be a CallFormat (e.g. lit_cancel.agents.ColonCalls), got "
                              f"{call_format!r}")
-        for name, value in (("environment", environment), ("trl_environment", trl_environment)):
+        for name, value in (("environment", environment), ("trl_environment", trl_environment),
+                            ("demonstration_turns", demonstration_turns)):
             if value is not None and not callable(value):
                 raise ValueError(f"EnvironmentTask: {name} must be a class or a function, got {value!r}")
         if reward_weights is not None and not reward_funcs:
@@ -162,6 +186,7 @@ class EnvironmentTask(AgentTask):
                      from_trl_factory(trl_environment, calls=call_format, timeout=10.0 if tool_timeout is None else tool_timeout))
         self.reward_functions = RewardFunctions(reward_funcs, reward_weights) if reward_funcs else None
         self.chat_template = chat_template
+        self.turns = demonstration_turns
         self.rendered: dict[str, list[Record]] = {}
 
     def environment(self) -> Environment:
@@ -198,7 +223,8 @@ class EnvironmentTask(AgentTask):
         """Refuses at start-up, in one line: an environment factory that fails (:meth:`check_environment`); a prompt of
         chat messages without a ``chat_template``; a :class:`~lit_cancel.DatasetTask` without a reward that nothing else
         scores; reward functions that raise or return something else than one number or None per completion, called
-        once on the first training record, an environment reset on it and an empty completion."""
+        once on the first training record, an environment reset on it and an empty completion; ``demonstration_turns``
+        that cannot be replayed on that record."""
         try:
             environment = self.check_environment()
         except EnvironmentFailure as error:
@@ -217,18 +243,37 @@ class EnvironmentTask(AgentTask):
                                  f"reward_funcs is empty and {environment.method_name('reward')} is not defined; give "
                                  "reward_funcs (TRL's reward functions) or an environment with a reward, as TRL requires one")
         records = self.train_records()[:1]
-        if self.reward_functions is None or not records:
+        if not records:
             return
         where = record_names(self.task, "train", [0])[0]
         try:
-            episode = Episode([], environment, where, transcript=[""])
-            reset_episode(environment, records[0], where)
-            for index in range(len(self.reward_functions.functions)):
-                self.reward_functions.called(index, [dataset_row(records[0])], [episode], [where], lambda name, value: None)
+            if self.reward_functions is not None:
+                episode = Episode([], environment, where, transcript=[""])
+                reset_episode(environment, records[0], where)
+                for index in range(len(self.reward_functions.functions)):
+                    self.reward_functions.called(index, [dataset_row(records[0])], [episode], [where], lambda name, value: None)
+            if self.turns is not None:
+                self.demonstration(records[0], random.Random(0))
         except RewardError as error:
             raise ValueError(f"{error} (checked at start-up: {CALLED_AS})") from error
         except EnvironmentFailure as error:
             raise ValueError(str(error)) from error
+
+    def demonstration_turns(self, record: Record, rng: random.Random) -> list[str]:
+        """``demonstration_turns(record)`` where given (its turns checked to be texts), else the task's first solution
+        as one turn."""
+        if self.turns is None:
+            return super().demonstration_turns(record, rng)
+        name = getattr(self.turns, "__qualname__", type(self.turns).__name__)
+        try:
+            turns = self.turns(record)
+        except Exception as error:
+            raise EnvironmentFailure(f"demonstration_turns {name} raised on {self.demonstrated(record)}: "
+                                     f"{type(error).__name__}: {error}") from error
+        if not isinstance(turns, list | tuple) or not turns or not all(isinstance(turn, str) for turn in turns):
+            raise EnvironmentFailure(f"demonstration_turns {name} returned {turns!r} on {self.demonstrated(record)}; it must return "
+                                     "the policy's turns, a non-empty list of texts")
+        return list(turns)
 
     def reward(self, record: Record, completion: str) -> float:
         return self.task.reward(record, completion)
@@ -241,6 +286,26 @@ class EnvironmentTask(AgentTask):
 
     def record_source(self, split: str, index: int) -> str:
         return self.task.record_source(split, index)
+
+
+def replayed(make_environment: Callable[[], Environment], record: Record, turns: list[str], max_turns: int,
+             where: str) -> Demonstration:
+    """``turns`` as an episode on ``record`` (named ``where`` in messages): a new environment reset on it, then each
+    turn's ``step``, as ``(turn, observation)`` pairs holding the environment's own observations (none after the turn
+    that ends the episode or the ``max_turns``-th), first ``("", text)`` where ``reset`` adds text to the prompt.
+    EnvironmentFailure where the environment fails or the episode ends before the last turn."""
+    environment = new_environment(make_environment, f"for {where}")
+    opening = reset_episode(environment, record, where)
+    pairs = [("", opening)] if opening else []
+    for number, turn in enumerate(turns, start=1):
+        observation = step_episode(environment, turn, number, where)
+        ended = observation.done or number == max_turns
+        if ended and number < len(turns):
+            reason = "the environment ended it" if observation.done else f"max_turns is {max_turns}"
+            raise EnvironmentFailure(f"the demonstration of {where} has {len(turns)} turns, but its episode ends at turn "
+                                     f"{number} ({turn!r}): {reason}")
+        pairs.append((turn, "" if ended else observation.text))
+    return pairs
 
 
 def chat_tokenizer(path: str) -> PreTrainedTokenizerBase:
