@@ -85,9 +85,15 @@ def port_config(folder, task: dict, max_steps: int = 2, limit_val_batches: int =
 
 
 def test_a_trl_environment_named_in_a_config_trains_on_what_trl_reward_functions_compute_from_its_state(tmp_path):
+    """TRL's rows as they are (a dataset file read by DatasetTask), its environment by class path, its reward function
+    reading environments= and the rows' fields: the reward each episode trains on is theirs."""
     SCORED.clear()
+    addition = AdditionTask(**ADDITION)
+    for split, records in (("train", addition.train_records()), ("val", addition.val_records())):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     config = port_config(tmp_path, {
-        "task": {"class_path": "lit_cancel.AdditionTask", "init_args": ADDITION},
+        "task": {"class_path": "lit_cancel.DatasetTask",
+                 "init_args": {"train_file": str(tmp_path / "train.jsonl"), "val_file": str(tmp_path / "val.jsonl")}},
         "trl_environment": "test_trl_port.Ledger", "call_format": {"class_path": "lit_cancel.agents.ColonCalls"},
         "reward_funcs": ["test_trl_port.computed_the_sum"], "reward_weights": [2.0],
     }, callbacks=("test_trl_port.Trained",))
@@ -101,7 +107,7 @@ def test_a_trl_environment_named_in_a_config_trains_on_what_trl_reward_functions
             ids = batch.input_ids[row, batch.prompt_length:][batch.attention_mask[row, batch.prompt_length:].bool()]
             value, environment_reward = SCORED[tuple(ids.tolist())]
             # TRL's sum: each function's value times its weight, get_reward with weight 1, Nones left out; the task's
-            # reward (0 for a transcript that does not end in |digits) where all are None
+            # reward (a DatasetTask without reward_fn: 0) where all are None
             terms = [2.0 * value] if value is not None else []
             terms += [environment_reward] if environment_reward is not None else []
             assert batch.rewards[row].item() == (sum(terms) if terms else 0.0)
