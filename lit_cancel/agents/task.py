@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from lit_cancel.agents.environment import Environment, EnvironmentFailure, new_environment, reset_episode, step_episode
+from lit_cancel.agents.environment import Environment, EnvironmentFailure, factory_name, new_environment, reset_episode, step_episode
 from lit_cancel.agents.episodes import Episode, EpisodeLimits, run_episodes
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import TRLEnvironment, dataset_row, from_trl_factory, rendered
@@ -264,7 +264,7 @@ class EnvironmentTask(AgentTask):
         as one turn."""
         if self.turns is None:
             return super().demonstration_turns(record, rng)
-        name = getattr(self.turns, "__qualname__", type(self.turns).__name__)
+        name = factory_name(self.turns)
         try:
             turns = self.turns(record)
         except Exception as error:
