@@ -72,5 +72,6 @@ EXPORTS = {
     "AdditionTask": "lit_cancel.tasks",
     "ScaffoldedAdditionTask": "lit_cancel.tasks",
     "MathWordTask": "lit_cancel.tasks",
+    "DatasetTask": "lit_cancel.tasks",
     "Task": "lit_cancel.tasks",
 }

@@ -33,8 +33,9 @@ class _Solutions(Dataset):
 
 class SFTDataModule(TaskDataModule):
     """Prompt + reference solution pairs; the loss covers the solution and its EOS, not the prompt. For an
-    :class:`~lit_cancel.agents.AgentTask`, its demonstration episodes: the loss covers each turn and its EOS, not the
-    environment's observations.
+    :class:`~lit_cancel.agents.AgentTask`, its demonstration episodes (:meth:`~lit_cancel.Task.demonstration`): the loss
+    covers each turn and its EOS, not the environment's observations (nor the text an environment's ``reset`` adds to
+    the prompt, a pair whose turn is empty).
 
     Args:
         task: where prompts and their solutions come from.
@@ -57,7 +58,9 @@ class SFTDataModule(TaskDataModule):
             sequence = encode(record["prompt"])["input_ids"]
             mask = [False] * len(sequence)
             for turn, observation in turns:
-                turn_ids, observation_ids = encode(turn)["input_ids"] + [eos], encode(observation)["input_ids"] if observation else []
+                # an empty turn is the environment's text alone: what an environment's reset adds to the prompt
+                turn_ids = encode(turn)["input_ids"] + [eos] if turn else []
+                observation_ids = encode(observation)["input_ids"] if observation else []
                 sequence += turn_ids + observation_ids
                 mask += [True] * len(turn_ids) + [False] * len(observation_ids)
             sequences.append(sequence)

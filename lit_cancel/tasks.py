@@ -73,7 +73,8 @@ class Task(ABC):
 
     def demonstration(self, record: Record, rng: random.Random) -> list[tuple[str, str]]:
         """A rollout that succeeds on ``record``, as ``(turn, observation)`` pairs, for supervised warm-up (each turn is
-        trained and closed by EOS, observations are not): here one of the task's solutions, drawn by ``rng``, as one turn."""
+        trained and closed by EOS, observations are not; a pair whose turn is empty is text before the first turn): here
+        one of the task's solutions, drawn by ``rng``, as one turn."""
         return [(rng.choice(self.solutions(record)), "")]
 
     def new_tokens_limit(self, max_new_tokens: int | None) -> tuple[int | None, str, str]:
@@ -312,15 +313,15 @@ def _json_kind(value: object) -> str:
     return f"a JSON {kinds[type(value)]}" if type(value) in kinds else "JSON null"
 
 
-def _unreadable_because(file: Path, error: Exception, fields: tuple[str, str]) -> str:
+def _unreadable_because(file: Path, error: Exception, expected: str, row_problem: Callable[[dict], str | None]) -> str:
     """Why ``datasets`` could not read ``file``: the first JSON line (or document) that does not parse, or the first row
-    that is not an object with text in ``fields``, where there is one."""
+    that is not an object or whose fields ``row_problem`` finds wrong, where there is one; ``expected`` says what rows the
+    reader takes."""
     if file.suffix == ".parquet":
         return f"is not a readable parquet file ({error})"
     text = file.read_text(errors="replace")
     if not text.strip():
         return "is empty; expected one JSON object per line"
-    expected = f"expected JSON objects with the fields {fields[0]!r} and {fields[1]!r}"
     try:
         document = json.loads(text)
     except json.JSONDecodeError as bad:
@@ -342,10 +343,43 @@ def _unreadable_because(file: Path, error: Exception, fields: tuple[str, str]) -
     for where, row in rows:
         if not isinstance(row, dict):
             return f"{where} is {_json_kind(row)}, not an object; {expected}"
-        if problem := _field_problem(row, fields):
+        if problem := row_problem(row):
             return f"{where} {problem}"
     cause = error.__cause__ or error
     return f"could not be read ({type(cause).__name__}: {cause})"
+
+
+def read_rows(path: str, reader: str, expected: str, row_problem: Callable[[dict], str | None]) -> tuple[list[dict], list[str]]:
+    """The rows of a ``.jsonl``, ``.json`` or ``.parquet`` file, read with ``datasets``, and where each comes from
+    (``"'path' line N"`` in a jsonl file, else ``"'path' row N"``).
+
+    A file that is missing, a folder, of another kind, not UTF-8, empty or unreadable raises one line beginning with
+    ``reader`` (the task's name) and naming the file and, where it can, the line: FileNotFoundError for a missing file,
+    ValueError otherwise. ``expected`` says what rows the reader takes, and ``row_problem`` what is wrong with one row
+    (None where nothing is), for the message about a file that ``datasets`` cannot read.
+    """
+    import datasets
+
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"{reader}: data file {path!r} is a folder; name a .jsonl, .json or .parquet file in it")
+    if not file.is_file():
+        raise FileNotFoundError(f"{reader}: data file {path!r} does not exist")
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
+    if builder is None:
+        raise ValueError(f"{reader}: data file {path!r} must end in .jsonl, .json or .parquet")
+    if builder == "json" and (not_utf8 := _not_utf8_because(file)):
+        raise ValueError(f"{reader}: data file {path!r} {not_utf8}")
+    try:
+        with _loader_errors_unlogged():
+            rows = datasets.load_dataset(builder, data_files=str(file), split="train")
+    except Exception as error:
+        raise ValueError(f"{reader}: data file {path!r} {_unreadable_because(file, error, expected, row_problem)}") from error
+    if len(rows) == 0:
+        raise ValueError(f"{reader}: data file {path!r} has no rows")
+    lines = _row_lines(file)
+    sources = [f"{path!r} {lines[index] if index < len(lines) else f'row {index + 1}'}" for index in range(len(rows))]
+    return list(rows), sources
 
 
 def _field_problem(row: dict, fields: tuple[str, ...]) -> str | None:
@@ -354,6 +388,22 @@ def _field_problem(row: dict, fields: tuple[str, ...]) -> str | None:
         if field in row and not (isinstance(row[field], str) and row[field].strip()):
             return f"field {field!r} is {row[field]!r}; expected non-empty text"
     return None
+
+
+def split_records(reader: str, load: Callable[[str], tuple[list[Record], list[str]]], train_file: str, val_file: str | None,
+                  val_size: int) -> tuple[list[Record], list[Record], dict[str, list[str]]]:
+    """``(train, val, sources)``: the records ``load`` makes of ``train_file`` and of ``val_file``, or where ``val_file`` is
+    None the last ``val_size`` of ``train_file``'s held out; ``sources[split][i]`` where record ``i`` of a split comes from.
+    ``load(path)`` returns a file's records and their sources (:func:`read_rows`); messages begin with ``reader``."""
+    train, train_sources = load(train_file)
+    if val_file is not None:
+        val, val_sources = load(val_file)
+        return train, val, {"train": train_sources, "val": val_sources}
+    if not 0 < val_size < len(train):
+        raise ValueError(
+            f"{reader}: val_size={val_size} must be between 1 and the {len(train)} rows of {train_file} minus one, or give val_file"
+        )
+    return train[:-val_size], train[-val_size:], {"train": train_sources[:-val_size], "val": train_sources[-val_size:]}
 
 
 class MathWordTask(Task):
@@ -387,53 +437,22 @@ class MathWordTask(Task):
             raise ValueError(f"MathWordTask: prompt_template must contain '{{question}}', got {prompt_template!r}")
         self.question_field, self.answer_field = question_field, answer_field
         self.prompt_template, self.reward_fn = prompt_template, reward_fn
-        train, train_sources = self._load(train_file)
-        if val_file is None:
-            if not 0 < val_size < len(train):
-                raise ValueError(
-                    f"MathWordTask: val_size={val_size} must be between 1 and the {len(train)} rows of {train_file} "
-                    "minus one, or give val_file"
-                )
-            train, val = train[:-val_size], train[-val_size:]
-            train_sources, val_sources = train_sources[:-val_size], train_sources[-val_size:]
-        else:
-            val, val_sources = self._load(val_file)
-        self._train, self._val = train, val
-        self._sources = {"train": train_sources, "val": val_sources}
+        self._train, self._val, self._sources = split_records("MathWordTask", self._load, train_file, val_file, val_size)
 
     def record_source(self, split: str, index: int) -> str:
         return self._sources[split][index]
 
     def _load(self, path: str) -> tuple[list[Record], list[str]]:
         """The records of ``path``, and where each comes from (``"'path' line N"``)."""
-        import datasets
-
-        file = Path(path)
-        if file.is_dir():
-            raise ValueError(f"MathWordTask: data file {path!r} is a folder; name a .jsonl, .json or .parquet file in it")
-        if not file.is_file():
-            raise FileNotFoundError(f"MathWordTask: data file {path!r} does not exist")
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(file.suffix)
-        if builder is None:
-            raise ValueError(f"MathWordTask: data file {path!r} must end in .jsonl, .json or .parquet")
-        if builder == "json" and (not_utf8 := _not_utf8_because(file)):
-            raise ValueError(f"MathWordTask: data file {path!r} {not_utf8}")
-        try:
-            with _loader_errors_unlogged():
-                rows = datasets.load_dataset(builder, data_files=str(file), split="train")
-        except Exception as error:
-            fields = (self.question_field, self.answer_field)
-            raise ValueError(f"MathWordTask: data file {path!r} {_unreadable_because(file, error, fields)}") from error
-        if len(rows) == 0:
-            raise ValueError(f"MathWordTask: data file {path!r} has no rows")
-        missing = [f for f in (self.question_field, self.answer_field) if f not in rows.column_names]
+        fields = (self.question_field, self.answer_field)
+        rows, sources = read_rows(path, "MathWordTask", f"expected JSON objects with the fields {fields[0]!r} and {fields[1]!r}",
+                                  lambda row: _field_problem(row, fields))
+        missing = [f for f in fields if f not in rows[0]]
         if missing:
             raise ValueError(
-                f"MathWordTask: data file {path!r} has no field {missing[0]!r} (fields: {rows.column_names}); "
+                f"MathWordTask: data file {path!r} has no field {missing[0]!r} (fields: {list(rows[0])}); "
                 f"expected rows with {self.question_field!r} and {self.answer_field!r}, or set question_field/answer_field"
             )
-        lines = _row_lines(file)
-        sources = [f"{path!r} {lines[index] if index < len(lines) else f'row {index + 1}'}" for index in range(len(rows))]
         records = []
         for index, row in enumerate(rows):
             if problem := _field_problem({self.question_field: row[self.question_field]}, (self.question_field,)):
@@ -468,3 +487,92 @@ class MathWordTask(Task):
 
     def solutions(self, record: Record) -> list[str]:
         return [" " + record["answer"]]
+
+
+def _prompt_problem(row: dict) -> str | None:
+    """What is wrong with a row's ``prompt``, or None where it is non-empty text or a list of chat messages (each a mapping
+    with a ``role``)."""
+    if "prompt" not in row:
+        return None
+    prompt = row["prompt"]
+    if isinstance(prompt, str) and prompt.strip():
+        return None
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+        return None
+    return (f"field 'prompt' is {prompt!r}; expected non-empty text or a list of chat messages "
+            "([{'role': 'user', 'content': ...}, ...])")
+
+
+class DatasetTask(Task):
+    """A dataset file's rows, each a record as it is: how a TRL dataset runs unchanged, with an
+    :class:`~lit_cancel.agents.EnvironmentTask` around it.
+
+    Each row of a ``.jsonl``, ``.json`` or ``.parquet`` file (read with ``datasets``) is one record with all its fields,
+    which a TRL environment's ``reset(**row)`` and TRL's reward functions receive. Its ``prompt`` is text, or a list of
+    chat messages (TRL's conversational format, ``[{"role": "user", "content": ...}]``), which the EnvironmentTask's
+    ``chat_template`` renders.
+
+    The task has no reward of its own unless ``reward_fn`` gives one: the EnvironmentTask's ``reward_funcs`` (TRL's reward
+    functions) or its environment (``get_reward``) score the episodes, and the task's reward is 0.0 for an episode they
+    all leave unscored (they return None). Used on its own, without ``reward_fn``, it is refused at start-up.
+
+    Args:
+        train_file: path of the training rows (``.jsonl``, ``.json`` or ``.parquet``).
+        val_file: path of the held-out rows; when None, the last ``val_size`` training rows are held out.
+        val_size: held-out rows taken from ``train_file`` when ``val_file`` is None.
+        reward_fn: ``(record, completion) -> float``, where the task scores completions itself; None: it does not.
+        solution_field: a field holding a correct completion of each row (text), what :meth:`solutions` returns (the
+            default supervised warm-up of one turn, drift probes); None: the task has no solutions.
+    """
+
+    def __init__(self, train_file: str, val_file: str | None = None, val_size: int = 100,
+                 reward_fn: Callable[[Record, str], float] | None = None, solution_field: str | None = None):
+        self.reward_fn, self.solution_field = reward_fn, solution_field
+        self._train, self._val, self._sources = split_records("DatasetTask", self._load, train_file, val_file, val_size)
+
+    def _load(self, path: str) -> tuple[list[Record], list[str]]:
+        """The rows of ``path`` as records, and where each comes from; each row's prompt checked."""
+        rows, sources = read_rows(path, "DatasetTask", "expected JSON objects with a 'prompt' field", _prompt_problem)
+        required = ["prompt"] + ([self.solution_field] if self.solution_field is not None else [])
+        missing = [field for field in required if field not in rows[0]]
+        if missing:
+            option = "" if missing[0] == "prompt" else " (solution_field)"
+            raise ValueError(f"DatasetTask: data file {path!r} has no field {missing[0]!r}{option} (fields: {list(rows[0])}); "
+                             "expected rows with a 'prompt', text or a list of chat messages, as TRL's datasets have")
+        for index, row in enumerate(rows):
+            if problem := _prompt_problem(row):
+                raise ValueError(f"DatasetTask: {sources[index]} {problem}")
+        return rows, sources
+
+    def record_source(self, split: str, index: int) -> str:
+        return self._sources[split][index]
+
+    def train_records(self) -> list[Record]:
+        return self._train
+
+    def val_records(self) -> list[Record]:
+        return self._val
+
+    def reward(self, record: Record, completion: str) -> float:
+        """``reward_fn``'s where given, else 0.0: the reward of a completion (an episode) that nothing else scored."""
+        return self.reward_fn(record, completion) if self.reward_fn is not None else 0.0
+
+    def solutions(self, record: Record) -> list[str]:
+        """The row's ``solution_field``; ValueError where the task has none."""
+        if self.solution_field is None:
+            raise ValueError("DatasetTask has no solutions: set solution_field to a field holding a correct completion, or "
+                             "give the EnvironmentTask demonstration_turns")
+        return [record[self.solution_field]]
+
+    def check_startup(self) -> None:
+        """Refuses the task on its own (not inside an EnvironmentTask) where it has no reward or a prompt is chat
+        messages, which only an EnvironmentTask's chat template renders."""
+        if self.reward_fn is None:
+            raise ValueError("DatasetTask has no reward of its own: give it reward_fn, or make it the task of a "
+                             "lit_cancel.agents.EnvironmentTask whose reward_funcs or environment score the episodes")
+        for split, records in (("train", self._train), ("val", self._val)):
+            for index, record in enumerate(records):
+                if isinstance(record["prompt"], list):
+                    raise ValueError(f"DatasetTask: the prompt of {split} record {index} ({self.record_source(split, index)}) "
+                                     "is a list of chat messages; make the task that of a lit_cancel.agents.EnvironmentTask "
+                                     "with a chat_template, which renders them")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from lit_cancel.tokenizer import build_char_tokenizer
 
@@ -83,6 +83,24 @@ def save_tiny_model(folder, seed: int = 0, hidden: int = 32, layers: int = 2):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+# Qwen2.5-Instruct's chat template, as its tokenizer_config.json ships it
+QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2.5-instruct-chat-template.jinja").read_text()
+
+
+@pytest.fixture(scope="session")
+def qwen_like_path(tmp_path_factory):
+    """The tiny stand-in model, its tokenizer given Qwen2.5-Instruct's chat template and its context room for the
+    template's tool instructions (one character a token)."""
+    folder = save_tiny_model(tmp_path_factory.mktemp("qwen-like"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    config = Qwen2Config.from_pretrained(folder)
+    config.max_position_embeddings = 2048
+    config.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from lit_cancel.tasks import AdditionTask, MathWordTask, ScaffoldedAdditionTask, final_number_reward, parse_final_number
+from lit_cancel.tasks import AdditionTask, DatasetTask, MathWordTask, ScaffoldedAdditionTask, final_number_reward, parse_final_number
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +195,50 @@ def test_math_word_task_says_a_folder_is_a_folder(tmp_path):
     with pytest.raises(ValueError) as refusal:
         MathWordTask(train_file=str(tmp_path))
     assert str(refusal.value) == f"MathWordTask: data file {str(tmp_path)!r} is a folder; name a .jsonl, .json or .parquet file in it"
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_a_dataset_task_reads_trl_rows_as_they_are_prompts_of_text_or_chat_messages(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": messages, "answer": "4", "tags": ["easy"]}, {"prompt": "3+3=", "answer": "6", "tags": []},
+            {"prompt": "5+5=", "answer": "10", "tags": ["easy", "even"]}]
+    task = DatasetTask(write_rows(tmp_path / "rows.jsonl", rows), val_size=1)
+    assert task.train_records() == rows[:2] and task.val_records() == rows[2:]
+    assert task.record_source("val", 0) == f"{str(tmp_path / 'rows.jsonl')!r} line 3"
+    # no reward of its own: what an EnvironmentTask's reward functions leave unscored gets 0
+    assert task.reward(rows[1], "6") == 0.0 and task.correct(rows[1], "6") is None
+    with pytest.raises(ValueError, match="^DatasetTask has no solutions: set solution_field"):
+        task.solutions(rows[1])
+    scored = DatasetTask(write_rows(tmp_path / "rows.jsonl", rows), val_size=1, solution_field="answer",
+                         reward_fn=lambda record, completion: float(completion == record["answer"]))
+    assert scored.solutions(rows[1]) == ["6"] and scored.reward(rows[1], "6") == 1.0
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"prompt": "1+1="}, {"prompt": 7}], "{path!r} line 2 field 'prompt' is 7; expected non-empty text or a list of chat "
+     "messages ([{{'role': 'user', 'content': ...}}, ...])"),
+    ([{"prompt": "1+1="}, {"prompt": " "}], "{path!r} line 2 field 'prompt' is ' '; expected non-empty text or a list of "
+     "chat messages ([{{'role': 'user', 'content': ...}}, ...])"),
+    ([{"question": "1+1="}, {"question": "2+2="}], "data file {path!r} has no field 'prompt' (fields: ['question']); expected "
+     "rows with a 'prompt', text or a list of chat messages, as TRL's datasets have"),
+])
+def test_a_dataset_task_names_the_line_of_a_prompt_it_cannot_use(tmp_path, rows, message):
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError) as refusal:
+        DatasetTask(path, val_file=path)
+    assert str(refusal.value) == "DatasetTask: " + message.format(path=path)
+
+
+def test_a_dataset_task_on_its_own_needs_a_reward_and_prompts_of_text(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": [{"role": "user", "content": "2+2?"}]}])
+    with pytest.raises(ValueError, match="^DatasetTask has no reward of its own: give it reward_fn, or make it the task of a "
+                                         "lit_cancel.agents.EnvironmentTask"):
+        DatasetTask(path, val_file=path).check_startup()
+    with pytest.raises(ValueError) as refusal:
+        DatasetTask(path, val_file=path, reward_fn=final_number_reward).check_startup()
+    assert str(refusal.value) == (f"DatasetTask: the prompt of train record 1 ({path!r} line 2) is a list of chat messages; make "
+                                  "the task that of a lit_cancel.agents.EnvironmentTask with a chat_template, which renders them")

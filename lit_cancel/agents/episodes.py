@@ -65,15 +65,24 @@ class Episode:
     turn_steps: list[int] = field(default_factory=list)
     ending: str | None = None
 
+    def turn_texts(self) -> list[str]:
+        """The policy's turns as text: the transcript alternates turn and observation, starting with a turn."""
+        return self.transcript[0::2]
+
     def append(self, tokens: list[int], from_policy: bool, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
         self.from_policy += [from_policy] * len(tokens)
         self.sampler_logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
 
+EpisodeScorer = Callable[[list[Record], list[Episode]], tuple[list[float], dict[str, float]]]
+"""What scores finished episodes (``episodes[i]`` of ``records[i]``), their environments still at hand: a reward per
+episode (NaN where the task's reward is to score it) and ``rollout/...`` statistics of the scoring."""
+
+
 def run_episodes(policy, make_environment: Callable[[], Environment], limits: EpisodeLimits, records: list[Record],
                  input_ids: Tensor, attention_mask: Tensor, num_samples: int = 1, greedy: bool = False,
-                 names: Sequence[str] | None = None) -> Generation:
+                 names: Sequence[str] | None = None, score: EpisodeScorer | None = None) -> Generation:
     """``num_samples`` episodes of each of ``records`` (prompts left-padded in ``input_ids``), run turn by turn: each
     turn is one ``policy.rollout`` of every running episode, each answered by its own environment.
 
@@ -81,8 +90,10 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     episode; ``names[i]`` names record ``i`` in the messages of a failing environment (``"val record 3"``,
     :func:`~lit_cancel.rounds.draw.record_names`; ``"record i"`` when None). Rows are ordered as
     ``policy.rollout`` orders them (sample ``k`` of record ``i`` at ``i * num_samples + k``); ``texts`` are the
-    transcripts (turns and observations, stop tokens removed); ``rewards`` the environments' (NaN where one gave
-    none); ``stats`` the episodes' ``rollout/...`` statistics (:func:`episode_stats`) and the engine's.
+    transcripts (turns and observations, stop tokens removed); ``rewards`` what ``score`` gives of the finished
+    episodes, their environments at hand (the environments' own rewards when None, :func:`environment_rewards`; NaN where
+    it gives none, for the task to score); ``stats`` the episodes' ``rollout/...`` statistics (:func:`episode_stats`),
+    the engine's and ``score``'s.
     """
     tokenizer, device = policy.tokenizer, input_ids.device
     episodes = []
@@ -114,13 +125,20 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     for episode in episodes:
         episode.ending = episode.ending or "turn_limit"
 
+    rewards, reward_stats = (score or environment_rewards)([r for r in records for _ in range(num_samples)], episodes)
+    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
+                         engine_stats | episode_stats(episodes) | reward_stats)
+
+
+def environment_rewards(records: list[Record], episodes: list[Episode]) -> tuple[list[float], dict[str, float]]:
+    """Each episode's environment's reward (:meth:`Environment.reward`), checked as any reward is; NaN where it gives
+    none."""
     rewards = []
     for episode in episodes:
         reward = episode_reward(episode.environment, episode.where)
         source = episode.environment.method_name("reward")
         rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
-    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
-                         engine_stats | episode_stats(episodes))
+    return rewards, {}
 
 
 def take_turn(episode: Episode, generation: Generation, row: int, turn: int, last: bool, limits: EpisodeLimits,

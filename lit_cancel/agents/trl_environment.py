@@ -6,14 +6,41 @@ prompt; an optional ``get_reward()`` scores the finished rollout from the instan
 turns such a callable into a factory of :class:`TRLEnvironment`, which runs the tools as :class:`ToolEnvironment`
 runs any (timeouts, capped output, errors the policy reads) and owns the reward where ``get_reward`` is defined. Messages
 name the TRL class and its methods (``MyEnv.reset``, ``MyEnv.get_reward``), not the adapter.
+
+``reset`` gets the dataset row as the task gave it, its prompt included as the row has it (text or chat messages), also
+where an :class:`~lit_cancel.agents.EnvironmentTask` rendered the prompt with a chat template (:func:`dataset_row`).
 """
 
+import asyncio
 import inspect
 from collections.abc import Callable
 
 from lit_cancel.agents.environment import factory_name
 from lit_cancel.agents.tools import CallFormat, ToolEnvironment
 from lit_cancel.tasks import Record
+
+UNRENDERED_PROMPT = "prompt_before_chat_template"
+"""The field of a record whose prompt a chat template rendered that holds the prompt as the task gave it."""
+
+
+def rendered(record: Record, prompt: str) -> Record:
+    """``record`` with ``prompt``, the chat template's rendering of its prompt (the policy's prompt), in its place, and
+    the prompt it had in :data:`UNRENDERED_PROMPT` (a field, so that copies of the record keep it)."""
+    return {**record, "prompt": prompt, UNRENDERED_PROMPT: record["prompt"]}
+
+
+def dataset_row(record: Record) -> Record:
+    """The row ``record`` was made from: its fields with the prompt as the task gave it (text or chat messages) where a
+    chat template rendered it (:func:`rendered`), else the record itself."""
+    if UNRENDERED_PROMPT not in record:
+        return record
+    row = {name: value for name, value in record.items() if name != UNRENDERED_PROMPT}
+    return row | {"prompt": record[UNRENDERED_PROMPT]}
+
+
+def awaited(value: object) -> object:
+    """``value``, or what it gives where it is awaitable (a TRL ``get_reward`` or reward function written ``async``)."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 def public_methods(instance: object) -> list[Callable]:
@@ -41,11 +68,11 @@ class TRLEnvironment(ToolEnvironment):
         self.instance = instance
 
     def reset(self, record: Record) -> str | None:
-        return self.instance.reset(**record)
+        return self.instance.reset(**dataset_row(record))
 
     def reward(self) -> float | None:
         get_reward = getattr(self.instance, "get_reward", None)
-        return None if get_reward is None else get_reward()
+        return None if get_reward is None else awaited(get_reward())
 
     def method_name(self, method: str) -> str:
         if method in ("reset", "reward"):

@@ -6,32 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
-from transformers import AutoTokenizer, Qwen2Config
+from conftest import QWEN_TEMPLATE
 
 from lit_cancel import MathWordTask
 from lit_cancel.agents import CalculatorEnvironment, Environment, EnvironmentTask, Observation, calculate
+from lit_cancel.agents.trl_environment import dataset_row
 from lit_cancel.run.cli import run_cli
 from lit_cancel.tokenizer import build_char_tokenizer
 
 TESTS = Path(__file__).parents[1]
 RECIPE = TESTS.parent / "configs" / "qwen2.5-0.5b-gsm8k-calculator.yaml"
-# Qwen2.5-Instruct's chat template, as its tokenizer_config.json ships it
-QWEN_TEMPLATE = (TESTS / "fixtures" / "qwen2.5-instruct-chat-template.jinja").read_text()
-
-
-@pytest.fixture(scope="module")
-def qwen_like_path(tmp_path_factory):
-    """The tiny stand-in model, its tokenizer given Qwen2.5-Instruct's chat template and its context room for the
-    template's tool instructions (one character a token)."""
-    folder = save_tiny_model(tmp_path_factory.mktemp("qwen-like"))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    config = Qwen2Config.from_pretrained(folder)
-    config.max_position_embeddings = 2048
-    config.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -117,7 +101,8 @@ def test_prompts_are_rendered_by_the_chat_template_with_the_tool_schema_and_the_
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
             f"<|im_start|>user\n{original['prompt']}<|im_end|>\n<|im_start|>assistant\n"
         )
-        assert {**rendered, "prompt": original["prompt"]} == original and original["prompt"].startswith("Tom has")
+        # the rest of the record kept, and the prompt as the task gave it, for a TRL environment's reset(**row)
+        assert dataset_row(rendered) == original and original["prompt"].startswith("Tom has")
     assert task.train_records() is task.train_records()  # rendered once
     assert task.val_records()[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert task.reward(task.train_records()[0], "He has 3 apples.\n#### 3") == 1.0

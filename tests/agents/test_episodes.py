@@ -341,6 +341,10 @@ def test_supervised_warm_up_trains_the_turns_and_their_stop_tokens_not_the_obser
     assert batch["input_ids"][0].tolist() == ids("guess 3-12:") + ids("7") + [eos] + ids(" higher\n") + ids("9") + [eos]
     labelled = [-100] * len(ids("guess 3-12:")) + ids("7") + [eos] + [-100] * len(ids(" higher\n")) + ids("9") + [eos]
     assert batch["labels"][0].tolist() == labelled
+    # text an environment's reset adds to the prompt (a pair without a turn) is in the context, neither trained nor closed
+    batch = data.collate([(record, [("", " go:"), ("9", "")])])
+    assert batch["input_ids"][0].tolist() == ids("guess 3-12:") + ids(" go:") + ids("9") + [eos]
+    assert batch["labels"][0].tolist() == [-100] * len(ids("guess 3-12: go:")) + ids("9") + [eos]
 
 
 def test_the_training_view_of_a_greedy_episode_predicts_each_of_its_turns_tokens_as_sampled():
@@ -369,7 +373,7 @@ def test_the_training_view_of_a_greedy_episode_predicts_each_of_its_turns_tokens
     assert not (logprobs.gather(1, sampled.roll(1).unsqueeze(1)).squeeze(1) >= logprobs.max(-1).values - 1e-4).all()
 
 
-def test_an_agent_task_without_a_demonstration_trains_its_first_solution_as_one_turn():
+def test_an_agent_task_without_a_demonstration_replays_its_first_solution_as_one_turn_against_its_environment():
     class Single(AgentTask):
         def environment(self):
             return Countdown()
@@ -385,5 +389,7 @@ def test_an_agent_task_without_a_demonstration_trains_its_first_solution_as_one_
         def solutions(self, record):
             return ["answer"]
 
-    assert Single().demonstration({"prompt": "q"}, random.Random(0)) == [("answer", "")]
+    # the environment's reply to the turn, and what its reset adds to the prompt, as a pair without a turn
+    assert Single().demonstration({"prompt": "q"}, random.Random(0)) == [("answer", " left 2\n")]
+    assert Single().demonstration({"prompt": "q", "opening": " go:"}, random.Random(0)) == [("", " go:"), ("answer", " left 2\n")]
 

@@ -1,8 +1,10 @@
 """What ``lit-cancel`` says when a user's environment or its tools are wrong: one line naming the environment's class and
 method and the record by split and index, exit status 2 when found before training (a start-up check builds one
 environment; the validation before training runs the episodes), the step and checkpoint when a run that trained stops;
-and one line for an environment option that names nothing usable."""
+and one line for an environment option that names nothing usable, a TRL reward function with the wrong signature or a
+TRL row whose prompt of chat messages no chat template renders."""
 
+import json
 import re
 from pathlib import Path
 
@@ -189,3 +191,32 @@ def test_an_environment_option_that_names_nothing_usable_is_one_line_naming_the_
         tmp_path, monkeypatch, capsys, option, value, message):
     lines = refusal(monkeypatch, capsys, "fit", "--config", str(agent_config(tmp_path, {option: value})))
     assert lines == [NOTHING_RUN, f"error: data.init_args.task.init_args.{option}: {message}"]
+
+
+def two_arguments(prompts, completions):
+    """A TRL reward function that takes no other keyword arguments: TRL's call gives it environments=, columns, ..."""
+    return [0.0] * len(prompts)
+
+
+def test_a_trl_reward_function_with_the_wrong_signature_is_refused_at_start_up(tmp_path, monkeypatch, capsys):
+    config = agent_config(tmp_path, {"trl_environment": "test_agent_messages.TRLCounter",
+                                     "reward_funcs": ["test_agent_messages.two_arguments"]})
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
+    assert lines[-2] == NOTHING_RUN
+    assert re.fullmatch(r"error: the reward function two_arguments raised TypeError: .*unexpected keyword argument .* on "
+                        r"train record 0 \(checked at start-up: a reward function is called as TRL calls it, f\(prompts=\.\.\., "
+                        r"completions=\.\.\., completion_ids=\.\.\., environments=\.\.\., \*\*columns\), and returns one number "
+                        r"or None per completion\)", lines[-1]), lines[-1]
+
+
+def test_a_trl_row_whose_prompt_is_chat_messages_without_a_chat_template_is_refused_at_start_up(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}], "answer": str(2 * a)} for a in range(4)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = {"class_path": "lit_cancel.DatasetTask", "init_args": {"train_file": str(data), "val_size": 1}}
+    config = agent_config(tmp_path, {"task": task, "trl_environment": "test_agent_messages.TRLCounter",
+                                     "reward_funcs": ["test_agent_messages.two_arguments"]})
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
+    assert lines[-2:] == [NOTHING_RUN, f"error: EnvironmentTask: the prompt of train record 0 ({str(data)!r} line 1) is a list "
+                          "of chat messages; set chat_template to a folder whose tokenizer has a chat template (an instruct "
+                          "model's) to render them, as TRL renders a conversational prompt"]
