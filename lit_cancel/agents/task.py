@@ -31,6 +31,9 @@ class AgentTask(Task):
         max_turns: turns of the policy per episode at most.
         max_turn_tokens: tokens per turn at most; the policy module's ``max_new_tokens`` when None.
         max_episode_tokens: tokens after the prompt per episode at most, the policy's and the environment's.
+        episode_timeout: seconds an episode's environment calls (factory, ``reset``, ``step``, ``reward``) may take in
+            all; an episode past it fails, as one whose environment raises does (its row inert, the others trained:
+            :mod:`lit_cancel.rounds.failures`). None: no limit.
 
     A subclass makes the records and one :meth:`environment` per episode, and scores episodes where the environment
     does not; :meth:`demonstrations` (episodes that succeed) are what a supervised warm-up trains on.
@@ -38,8 +41,9 @@ class AgentTask(Task):
 
     rollout_in_one_call = False  # the policy is asked once per turn, the environment answering between turns
 
-    def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512) -> None:
-        self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens)
+    def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512,
+                 episode_timeout: float | None = None) -> None:
+        self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens, episode_timeout)
 
     @abstractmethod
     def environment(self) -> Environment:
@@ -96,7 +100,7 @@ class EnvironmentTask(AgentTask):
         trl_environment: instead, a TRL ``environment_factory``: a callable returning one object per episode whose
             public methods are the tools, whose ``reset(**record)`` may return text, and whose optional
             ``get_reward()`` scores the episode (:class:`~lit_cancel.agents.TRLEnvironment`).
-        max_turns, max_turn_tokens, max_episode_tokens: as :class:`AgentTask`.
+        max_turns, max_turn_tokens, max_episode_tokens, episode_timeout: as :class:`AgentTask`.
         tool_timeout: seconds a tool call of a TRL environment may take; 10 when None. An environment of your own times
             its tools itself.
         chat_template: a local Hugging Face folder (``embedded:NAME`` too) whose tokenizer's chat template renders each
@@ -123,8 +127,8 @@ class EnvironmentTask(AgentTask):
     def __init__(self, task: Task, environment: Callable[[], Environment] | None = None,
                  trl_environment: type | Callable[[], object] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
                  max_episode_tokens: int = 512, tool_timeout: float | None = None, chat_template: str | None = None,
-                 call_format: CallFormat | None = None) -> None:
-        super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
+                 call_format: CallFormat | None = None, episode_timeout: float | None = None) -> None:
+        super().__init__(max_turns, max_turn_tokens, max_episode_tokens, episode_timeout)
         if (environment is None) == (trl_environment is None):
             raise ValueError("EnvironmentTask: give exactly one of environment (an Environment factory) and trl_environment "
                              "(a TRL environment_factory)")
