@@ -2,17 +2,22 @@
 row is inert (no credit, advantage 0), its group's other members train with advantages that sum to zero, the failure
 budget stops a run whose rounds keep failing, and a resumed run goes on exactly as one that was not stopped."""
 
+import inspect
+import re
 import threading
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_cancel import GRPO, DFPOMin, RLModule, RolloutDataModule
-from lit_cancel.agents import Environment, ToolAdditionTask
-from lit_cancel.rounds.failures import FAILURE_CAUSES, FailedEpisodes
+from lit_cancel.agents import Environment, EnvironmentTask, ToolAdditionTask
+from lit_cancel.agents.episodes import EpisodeLimits
+from lit_cancel.rounds.failures import FAILURE_CAUSES, FailedEpisodes, FailureBudget
 
 
 class Faulty(Environment):
@@ -177,3 +182,17 @@ def test_a_run_resumed_after_failed_episodes_goes_on_as_the_run_that_was_not_sto
     for (name, tensor), resumed_tensor in zip(module.state_dict().items(), resumed_module.state_dict().values(), strict=True):
         assert torch.allclose(tensor, resumed_tensor, atol=1e-6), name
 
+
+def test_the_failure_budget_in_docs_agents_md_names_real_options():
+    text = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "max_failed_share" in b]
+    data = yaml.safe_load(block)["data"]
+    assert data["class_path"] == "lit_cancel.RolloutDataModule"
+    budget = {key: value for key, value in data["init_args"].items() if key != "task"}
+    assert set(budget) == {"max_failed_share", "max_failed_rounds"}
+    assert set(budget) <= set(inspect.signature(RolloutDataModule).parameters)
+    FailureBudget(**budget)
+    task = data["init_args"]["task"]
+    assert task["class_path"] == "lit_cancel.agents.EnvironmentTask"
+    assert set(task["init_args"]) <= set(inspect.signature(EnvironmentTask).parameters)
+    assert EpisodeLimits(episode_timeout=task["init_args"]["episode_timeout"]).episode_timeout == 60.0
