@@ -24,7 +24,7 @@ from lit_cancel.objectives import Objective
 from lit_cancel.objectives.presets import GRPO
 from lit_cancel.rounds.draw import record_names
 from lit_cancel.rounds.failures import FailedEpisodes, FailureCount
-from lit_cancel.rounds.sample import Generation, PolicySampling, encode_completions, padded, stop_token_ids
+from lit_cancel.rounds.sample import Generation, PolicySampling, encode_completions, named_rollout, padded, stop_token_ids
 from lit_cancel.rounds.score import accuracy_terms
 from lit_cancel.sharding import ModelRoot, is_sharded, shard, total_norm
 
@@ -218,11 +218,10 @@ class PolicyModule(L.LightningModule, PolicySampling):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         records, size = batch["records"], len(batch["records"])
         task = self.trainer.datamodule.task
-        names = record_names(task, "val", batch["indices"])
-        greedy = task.rollout(self, records, batch["input_ids"], batch["attention_mask"], greedy=True, names=names)
+        rollout = named_rollout(task.rollout, record_names(task, "val", batch["indices"]))
+        greedy = rollout(self, records, batch["input_ids"], batch["attention_mask"], greedy=True)
         self.update_accuracy(self.val_greedy_accuracy, task, records, greedy)
-        sampled = task.rollout(self, records, batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples,
-                               names=names)
+        sampled = rollout(self, records, batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
         self.update_accuracy(self.val_accuracy, task, [r for r in records for _ in range(self.val_samples)], sampled)
         # the loggers get the values in on_validation_epoch_end, at the step the training scalars and the bar show
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples, logger=False)

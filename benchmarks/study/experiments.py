@@ -16,9 +16,9 @@ t-intervals over seeds, paired differences, PNGs) is rewritten between the marke
 
 The code is the package ``benchmarks/study/lab/``, each module importing only those before it:
 ``stats`` (pure statistics) <- ``runs`` (what runs, execution, replay) <- ``summaries`` (per-run numbers)
-<- ``cells`` (table cells, Holm families) <- ``sections_e10``, ``sections_e11`` (E10's, E11's) <- ``sections`` (one per experiment)
-<- ``report`` (the document, PNGs, the README's numbers) <- this script; ``lab.parts`` holds the callbacks, trust
-regions and plans the runs load by class path.
+<- ``cells`` (table cells, Holm families) <- ``sections_e10``, ``sections_e11``, ``sections_e12`` (E10's, E11's, E12's)
+<- ``sections`` (one per experiment) <- ``report`` (the document, PNGs, the README's numbers) <- this script;
+``lab.parts`` holds the callbacks, trust regions and plans the runs load by class path.
 """
 
 import argparse

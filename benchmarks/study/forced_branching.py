@@ -1,4 +1,5 @@
-"""Forced branching (E10): rollouts of one prompt that share an uncertain preamble by construction.
+"""Forced branching (E10): rollouts of one prompt that share an uncertain preamble by construction; and (E12) agent
+episodes of one prompt that share their first turn.
 
 A group sampled the usual way shares only the tokens the policy is nearly sure of (a position is
 shared by all ``G`` members with probability ``p^G``), so uncancelled credit there has almost no
@@ -168,6 +169,87 @@ class ForcedBranching(RolloutEngine):
             stats["rollout/preamble_p"] = float((token_logprobs.float().exp() * preamble_mask).sum() / preamble_mask.sum())
         stats["rollout/preamble_stopped"] = float(stopped.float().mean())
         return Sampled(sequences, logprobs, sync_seconds, None, stats)
+
+
+class ForcedFirstTurn(RolloutEngine):
+    """One sampled first turn per group of agent episodes, given to all of them (E12): groups that agree on their first
+    turn by construction.
+
+    An agent's episodes are sampled turn by turn (``lit_cancel.agents.episodes.run_episodes``), one call of the engine
+    per turn with one sample per running episode, a group's ``group_size`` episodes in consecutive rows and identical at
+    the first turn (the prompt and the environment's opening). At a training round's first turn this engine samples one
+    completion from the first row of each group and gives it to every row of the group; each episode then reads its
+    environment's reply and continues on its own. A forced episode is still an exact sample of the policy (first turn,
+    then the rest, is the chain rule); only the members of a group are no longer independent.
+
+    The first turn is the first training call after the engine was released (``run_episodes`` releases it after the
+    last turn of a round's episodes); every later turn, every validation call and every greedy call goes to the inner
+    engine as it is, so validation measures what the plain engine would.
+
+    Args:
+        group_size: episodes per group (the datamodule's ``group_size``): consecutive rows of ``group_size`` are forced
+            together.
+        engine: the inner engine; :class:`~lit_cancel.DecodeLoop` when None. One that samples ahead of the trainer is
+            refused (its rounds are not sampled turn by turn on demand).
+    """
+
+    def __init__(self, group_size: int = 8, engine: RolloutEngine | None = None):
+        if group_size < 2:
+            raise ValueError(f"ForcedFirstTurn: group_size must be >= 2, got {group_size}")
+        self.group_size = group_size
+        self.engine = engine if engine is not None else DecodeLoop()
+        if self.engine.max_staleness > 0:
+            raise ValueError(f"ForcedFirstTurn: the inner engine {type(self.engine).__name__} samples ahead (max_staleness > 0)")
+        self.supported_options = self.engine.supported_options
+        self.holds_weights = self.engine.holds_weights
+        self.first_turn_next = True
+        # how many calls were forced and how many went to the inner engine as they were (tests read them)
+        self.forced_calls = self.plain_calls = 0
+
+    @contextmanager
+    def context(self, device: torch.device) -> Iterator[None]:
+        with self.engine.context(device):
+            yield
+
+    def sync(self, policy: PolicyWeights) -> float:
+        return self.engine.sync(policy)
+
+    def release(self) -> None:
+        self.first_turn_next = True
+        self.engine.release()
+
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
+        self.engine.check(policy, options)
+
+    def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
+        if request.validation or request.greedy or not self.first_turn_next:
+            self.plain_calls += 1
+            return self.engine.sample(policy, request)
+        self.first_turn_next = False
+        if request.num_samples != 1:
+            raise ValueError(f"ForcedFirstTurn forces the first turn of agent episodes, sampled one per row; this call asks "
+                             f"for {request.num_samples} samples per prompt (a single-turn task): use ForcedBranching")
+        rows, size = request.input_ids.shape[0], self.group_size
+        if rows % size:
+            raise ValueError(f"ForcedFirstTurn: {rows} episodes at the first turn do not split into groups of {size}; "
+                             f"set group_size to the datamodule's")
+        for group in range(rows // size):
+            first = group * size
+            for row in range(first + 1, first + size):
+                if not (torch.equal(request.input_ids[row], request.input_ids[first])
+                        and torch.equal(request.attention_mask[row], request.attention_mask[first])):
+                    raise ValueError(f"ForcedFirstTurn: group {group}'s episodes open differently (row {row} is not row "
+                                     f"{first}, token for token); only identical contexts are forced together")
+        self.forced_calls += 1
+        leaders = SampleRequest(request.input_ids[::size], request.attention_mask[::size], 1, request.options,
+                                validation=False, keep=request.keep)
+        sampled = self.engine.sample(policy, leaders)
+        return dataclasses.replace(
+            sampled,
+            sequences=sampled.sequences.repeat_interleave(size, 0),
+            logprobs=None if sampled.logprobs is None else sampled.logprobs.repeat_interleave(size, 0),
+            steps=None if sampled.steps is None else sampled.steps.repeat_interleave(size, 0),
+        )
 
 
 class GroupSharedTokens(Callback):

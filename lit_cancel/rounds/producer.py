@@ -10,7 +10,6 @@ optimizer step is the :class:`~lit_cancel.data.RolloutDataModule`'s business (:m
 """
 
 import concurrent.futures
-import functools
 import random
 import threading
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from lit_cancel.engines.base import in_background
 from lit_cancel.rounds.advantages import advantaged_rows
 from lit_cancel.rounds.draw import draw_indices, record_names
 from lit_cancel.rounds.failures import FailedEpisodes, FailureBudget, FailureCount, varied_groups
-from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, sample_groups
+from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, named_rollout, sample_groups
 from lit_cancel.rounds.score import score_groups
 from lit_cancel.rounds.staleness import Staleness
 from lit_cancel.rounds.statistics import CannotLearnWarnings, round_stats
@@ -154,8 +153,9 @@ class RolloutProducer:
             self.prefetch(policy, processes, later, staleness.oldest_step(processes.step(), rounds_ahead=later - draw))
         indices = self.draw_indices(draw, processes.rank, processes.world)
         records = [self.task.train_records()[index] for index in indices]
-        generation, seconds = sample_groups(policy, self.task.rollout, records, self.group_size, self.seed_of(processes.rank, draw),
-                                            sampled_ahead=ahead, names=record_names(self.task, "train", indices))
+        rollout = named_rollout(self.task.rollout, record_names(self.task, "train", indices))
+        generation, seconds = sample_groups(policy, rollout, records, self.group_size, self.seed_of(processes.rank, draw),
+                                            sampled_ahead=ahead)
         if failures is not None:
             failures.add(generation.failures or [None] * len(generation.texts))
         rewards, correct = score_groups(self.task, records, self.group_size, generation)
@@ -177,7 +177,7 @@ class RolloutProducer:
             # a task that calls the engine several times (an agent's turns, the environment answering between them)
             ahead = AheadPolicy(policy, oldest_step, random.Random(self.seed_of(processes.rank, draw)), self.stopping)
             names = record_names(self.task, "train", self.draw_indices(draw, processes.rank, processes.world))
-            rollout = functools.partial(self.task.rollout, names=names)
+            rollout = named_rollout(self.task.rollout, names)
             self.ahead[draw] = in_background(rollout, ahead, records, prompts["input_ids"], prompts["attention_mask"],
                                              self.group_size)
 

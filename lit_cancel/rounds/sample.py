@@ -6,6 +6,8 @@ ahead of the trainer, in a background thread, see the policy as an :class:`Ahead
 """
 
 import copy
+import functools
+import inspect
 import random
 import threading
 import time
@@ -301,15 +303,23 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> d
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "records": records}
 
 
+def named_rollout(rollout: Callable[..., Generation], names: Sequence[str]) -> Callable[..., Generation]:
+    """A task's ``rollout`` told how messages name its records (``names``, :func:`~lit_cancel.rounds.draw.record_names`),
+    where it takes them: a ``rollout`` written without ``names`` is called as it was."""
+    parameters = inspect.signature(rollout).parameters.values()
+    if any(p.name == "names" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return functools.partial(rollout, names=names)
+    return rollout
+
+
 def sample_groups(policy: RolloutPolicy, rollout: Callable[..., Generation], records: list[dict], group_size: int, seed: int,
-                  sampled_ahead: Future | None = None, names: Sequence[str] | None = None) -> tuple[Generation, float]:
+                  sampled_ahead: Future | None = None) -> tuple[Generation, float]:
     """``group_size`` rollouts of each of ``records`` by ``rollout`` (the task's), and the seconds spent sampling them.
 
     Rows ``i * G .. i * G + G - 1`` are the group of ``records[i]``. Sampling is seeded by ``seed`` without touching the
     global random state, and runs in the trainer's precision context, as the training step does, so that the step's
     first importance ratios are exactly 1. ``sampled_ahead``: the draw's rollouts, sampled in the background
     (:meth:`~lit_cancel.rounds.producer.RolloutProducer.prefetch`); the seconds spent are those waited for them.
-    ``names``: how messages name each record (:func:`~lit_cancel.rounds.draw.record_names`).
     """
     started = time.perf_counter()
     if sampled_ahead is not None:
@@ -319,5 +329,5 @@ def sample_groups(policy: RolloutPolicy, rollout: Callable[..., Generation], rec
         with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), policy.precision_context():
             torch.manual_seed(seed)
             generation = rollout(policy, records, prompts["input_ids"].to(policy.device), prompts["attention_mask"].to(policy.device),
-                                 group_size, names=names)
+                                 group_size)
     return generation, time.perf_counter() - started

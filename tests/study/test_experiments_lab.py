@@ -12,7 +12,7 @@ from lab import runs
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study"
 
-ORDER = ["stats", "runs", "summaries", "cells", "sections_e10", "sections_e11", "sections", "report"]  # each may import only those before it
+ORDER = ["stats", "runs", "summaries", "cells", "sections_e10", "sections_e11", "sections_e12", "sections", "report"]  # each may import only those before it
 
 
 def lab_imports(path: Path) -> set[str]:

@@ -173,6 +173,32 @@ def e11_row_problems(line: str) -> list[str]:
     return [p for p in problems if p]
 
 
+def e12_row_problems(line: str) -> list[str]:
+    """A row of E12's tables: its verdict by the rule on the Holm p and the Holm-adjusted TOST p, the margin as the
+    pre-registration writes it (0.002), an effect on P1 or P2 naming whether it goes the predicted way (> 0); the MDE
+    (α 0.05) the one of its interval; the raw TOST against the interval."""
+    label, _, n, difference, _, mde, _, holm, tost, holm_tost, verdict = columns(line)
+    if difference == "–":
+        return [] if verdict == "**inconclusive**" else [f"{line}: a verdict without pairs"]
+    margin = re.search(r"\(±([\d.]+)\)", tost).group(1)
+    try:
+        raw_tost = printed_p(tost.split(" ")[0])
+        expected = rule(printed_p(holm), int(n), float(margin), printed_p(holm_tost))
+    except ValueError as error:
+        return [f"{line}: {error}"]
+    if expected.startswith("no difference larger than"):
+        expected = f"no difference larger than {margin}"
+    if expected == "effect" and label.startswith("E12 P"):
+        goes = float(difference.split(" ± ")[0]) > 0
+        expected += ", the predicted direction" if goes else ", against the predicted direction"
+    problems = [] if verdict == f"**{expected}**" else [f"{line}: the rule gives {expected!r}"]
+    first_mde = mde.split(" / ")[0]
+    if not re.fullmatch(r"\d+\.\d+", first_mde):
+        return problems + [f"{line}: no MDE"]
+    return [p for p in problems + [mde_problem(difference, int(n), float(first_mde)),
+                                   equivalence_problem(difference, int(n), float(margin), raw_tost)] if p]
+
+
 def tost_line_problems(match: re.Match) -> list[str]:
     """A TOST sentence: "no difference larger than m" exactly where its (Holm-adjusted, if given) TOST p is below 0.05."""
     p = printed_p(match.group("holm") or match.group("p"))
@@ -234,6 +260,7 @@ def generated_problems(text: str) -> tuple[list[str], int]:
     welch = list(WELCH.finditer(text))
     tost_lines = list(TOST_LINE.finditer(text))
     e11_rows = [line for line in text.splitlines() if line.startswith("| E11 P")]
+    e12_rows = [line for line in text.splitlines() if line.startswith("| E12 ")]
     rows = [line for line in text.splitlines() if line.startswith(("| P1: ", "| P2: "))]
     primary = [line for line in rows if len(columns(line)) == 11]  # E10-confirm's rows have 10 columns
     confirm = [line for line in rows if line not in primary]
@@ -244,7 +271,8 @@ def generated_problems(text: str) -> tuple[list[str], int]:
     problems += replication_problems(text, confirm)
     problems += [problem for match in welch for problem in welch_problems(match)]
     problems += [problem for line in e11_rows for problem in e11_row_problems(line)]
-    checked = len(cells) + len(welch) + len(tost_lines) + len(rows) + len(e11_rows)
+    problems += [problem for line in e12_rows for problem in e12_row_problems(line)]
+    checked = len(cells) + len(welch) + len(tost_lines) + len(rows) + len(e11_rows) + len(e12_rows)
     unparsed = len(CELL_VERDICT.findall(text)) + len(BOLD_VERDICT.findall(text)) - checked
     if unparsed:
         problems.append(f"{unparsed} verdicts in a form the checks do not read")

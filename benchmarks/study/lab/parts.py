@@ -10,6 +10,7 @@ into the library's own hooks: an objective's ``trust_region`` (a stop-gradient w
 * ``ScaffoldProbe``: how sure the policy is of the scaffold, and how often rollouts write it exactly (E8);
 * ``FirstTurnAgreement``: how often a group's episodes open with the same turn, and how much of the policy's text a
   whole group shares (E11's manipulation check).
+* ``FinalFirstTurn``: how often a whole group's episodes end at their first turn (E12's forced arms).
 """
 
 from typing import Literal
@@ -199,3 +200,30 @@ class FirstTurnAgreement(Callback):
         shared = shared_positions(completions, mask, batch.group_ids.cpu(), context, prompts)
         pl_module.log("rollout/first_turn_agreement", agreeing / groups if groups else 0.0, on_step=True, on_epoch=False)
         pl_module.log("rollout/shared_policy_tokens", float(shared.sum() / mask.sum().clamp(min=1)), on_step=True, on_epoch=False)
+
+
+def groups_ending_at_first_turn(batch: RolloutBatch) -> tuple[float, float]:
+    """``(groups, ended)``: the groups with two or more members in ``batch``, and how many of them have every episode end
+    at its first turn (no environment token after the prompt: the environment ended the episode at its first reply, or
+    the turn was cut)."""
+    after_prompt = batch.attention_mask[:, batch.prompt_length :].bool()
+    from_environment = (after_prompt & ~batch.completion_mask.bool()).any(1).long()
+    _, group = torch.unique(batch.group_ids, return_inverse=True)
+    groups = int(group.max()) + 1 if len(group) else 0
+    continued = torch.zeros(groups, dtype=torch.long, device=group.device).scatter_reduce(0, group, from_environment, reduce="amax")
+    several = torch.bincount(group, minlength=groups) > 1
+    return float(several.sum()), float((~continued.bool() & several).sum())
+
+
+class FinalFirstTurn(Callback):
+    """Logs ``rollout/forced_final_first_turn`` (E12's forced arms): the share of each training micro-batch's groups (those
+    with two or more members in it) whose episodes all end at their first turn (:func:`groups_ending_at_first_turn`).
+
+    Under ``forced_branching.ForcedFirstTurn`` a group shares its first turn; one that answers without calling the tool
+    ends every episode of the group there, ``n`` identical episodes with equal rewards: a group with no advantage.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: RolloutBatch, batch_idx: int) -> None:
+        groups, ended = groups_ending_at_first_turn(batch)
+        pl_module.log("rollout/forced_final_first_turn", ended / groups if groups else 0.0, on_step=True, on_epoch=False)

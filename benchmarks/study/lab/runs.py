@@ -155,6 +155,28 @@ def e11_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
             "--trainer.callbacks+=lab.parts.FirstTurnAgreement")
 
 
+
+# E12 (pre-registered in docs/experiments.md): does agreement itself raise GRPO's tax? From each of E11's warm starts, a
+# group's episodes forced to share their first turn (forced_branching.ForcedFirstTurn) against E11's independent episodes
+E12_SEEDS = {"GRPO-forced": tuple(range(200, 226)), "GRPO-independent": tuple(range(200, 226)),
+             "DFPOMin-forced": tuple(range(200, 205))}
+E12_PILOT_SEED = 1000
+
+
+def e12_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
+    """An E12 run's overrides: E11's run of the arm's objective at ``warm_start``, and for a forced arm the forcing engine
+    (groups of the config's 8 episodes) and its count of groups that end at their shared first turn."""
+    objective_name, sampling = arm.split("-")
+    forced = ("--model.init_args.engine=forced_branching.ForcedFirstTurn", "--model.init_args.engine.init_args.group_size=8",
+              "--trainer.callbacks+=lab.parts.FinalFirstTurn")
+    return (*e11_overrides(warm_start, objective_name), *(forced if sampling == "forced" else ()))
+
+
+def e12_pilot_overrides(warm_start: str, arm: str) -> tuple[str, ...]:
+    """E12's check before its main runs: 4 steps at a learning rate too small to move the policy, no validation."""
+    return (*e12_overrides(warm_start, arm), "--trainer.max_steps=4", "--model.init_args.optimizer.init_args.lr=1e-12",
+            "--trainer.limit_val_batches=0")
+
 def sft_agent_command(tool_share: float, output_dir: str, save_dir: str) -> list[str]:
     """configs/sft-agent.yaml (the recipe of the shipped ``embedded:tiny-agent``) at ``tool_share``, saved to ``output_dir``."""
     return ["lit-cancel", "fit", "--config", SFT_AGENT_CONFIG, f"--data.init_args.task.init_args.tool_share={tool_share}",
@@ -170,6 +192,12 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     if name == "E11":  # likewise
         return [Run(name, arm, e11_setting(warm_start), seed, e11_overrides(warm_start, arm), AGENT_CONFIG)
                 for warm_start in E11_TOOL_SHARES for seed in E11_SEEDS for arm in E11_ARMS]
+    if name == "E12":  # likewise
+        return [Run(name, arm, e11_setting(warm_start), seed, e12_overrides(warm_start, arm), AGENT_CONFIG)
+                for warm_start in E11_TOOL_SHARES for arm, arm_seeds in E12_SEEDS.items() for seed in arm_seeds]
+    if name == "E12P":  # E12's pilot check, at a seed outside the confirmatory ones
+        return [Run(name, arm, e11_setting(warm_start), E12_PILOT_SEED, e12_pilot_overrides(warm_start, arm), AGENT_CONFIG)
+                for warm_start in E11_TOOL_SHARES for arm in ("GRPO-forced", "GRPO-independent")]
     runs = []
     for seed in seeds:
         if name == "E1":  # exchangeability: five objectives at mu = 2, one knob setting; GRPO and DFPOMin also at half the rate
@@ -243,7 +271,7 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
     return runs
 
 
-EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11")
+EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11", "E12", "E12P")
 PROBES = ("E6",)
 
 
@@ -321,19 +349,37 @@ def execute(run: Run, threads: int | None = None) -> None:
         raise RuntimeError(f"{run.path.name}: {error}") from None
     record = {"experiment": run.experiment, "arm": run.arm, "setting": run.setting, "seed": run.seed, "command": command,
               "wall_s": round(wall, 1), "provenance": provenance(threads), "scalars": logged}
+    if weights := model_sha256(command):
+        record["model_sha256"] = weights
     run.path.parent.mkdir(parents=True, exist_ok=True)
     partial = run.path.with_suffix(".part")
     partial.write_text(json.dumps(record, separators=(",", ":")))
     partial.rename(run.path)
 
 
+def model_sha256(command: str) -> str | None:
+    """The SHA-256 of the weights a command starts from, where its ``model_path`` is a folder of the repository (a warm
+    start); None otherwise."""
+    import hashlib
+
+    for part in shlex.split(command):
+        if part.startswith("--model.init_args.model_path="):
+            weights = ROOT / part.split("=", 1)[1] / "model.safetensors"
+            return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+    return None
+
+
 def build_e11_warmstart(warm_start: str, threads: int | None = None) -> None:
     """Trains E11's ``warm_start`` by configs/sft-agent.yaml at its tool share and stores beside it a JSON of the command,
-    the provenance, the recipe's scalars and the SHA-256 of the weights it saved."""
+    the provenance, the recipe's scalars and the SHA-256 of the weights it saved. A record stored already (E11's own,
+    in the repository) is kept: the runs made from a rebuilt warm start store its weights' SHA-256 (:func:`execute`),
+    so the report can say whether they started from E11's weights."""
     import hashlib
 
     folder = ROOT / e11_warmstart(warm_start)
     logged, wall, command = fit(sft_agent_command(E11_TOOL_SHARES[warm_start], e11_warmstart(warm_start), TMP), threads)
+    if folder.with_suffix(".json").exists():
+        return
     weights = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     record = {"warm_start": warm_start, "tool_share": E11_TOOL_SHARES[warm_start], "command": command, "wall_s": round(wall, 1),
               "model_sha256": weights, "provenance": provenance(threads), "scalars": logged}

@@ -1,5 +1,5 @@
-"""The sections of docs/experiments.md, one per experiment (E1-E11; E10's in ``lab.sections_e10``, E11's in
-``lab.sections_e11``), each its tables and paired comparisons."""
+"""The sections of docs/experiments.md, one per experiment (E1-E12; E10's in ``lab.sections_e10``, E11's in
+``lab.sections_e11``, E12's in ``lab.sections_e12``), each its tables and paired comparisons."""
 
 import itertools
 import math
@@ -19,6 +19,7 @@ from lab.cells import (
 from lab.runs import E2_SCAFFOLDS, E2_SPREADS, E7_TRUST_REGIONS, STUDY
 from lab.sections_e10 import e10_confirm_section, e10_section
 from lab.sections_e11 import e11_section
+from lab.sections_e12 import e12_section
 from lab.stats import mean_interval
 from lab.summaries import (
     BINNED_SPLITS,
@@ -369,4 +370,7 @@ def experiment_sections(results: dict, probes: dict[int, dict]) -> list[str]:
         lines += (section(dict(results[name])) if name in results else [f"#### {TITLES[name]}", "", "Not run yet."]) + [""]
     if "E10C" in results:
         lines += e10_confirm_section(dict(results["E10C"]), dict(results.get("E10", {}))) + [""]
-    return lines + e11_section(dict(results.get("E11", {}))) + [""]
+    lines += e11_section(dict(results.get("E11", {}))) + [""]
+    if "E12" in results or "E12P" in results:  # nothing until its check before the main runs is stored
+        lines += e12_section(dict(results.get("E12", {})), dict(results.get("E12P", {}))) + [""]
+    return lines

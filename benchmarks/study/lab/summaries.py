@@ -1,7 +1,7 @@
 """Each stored run's numbers: what the report compares, read from the TensorBoard scalars in its JSON.
 
-``load()`` gives ``experiment -> (arm, setting) -> seed -> summary`` (E10's and E11's with their own numbers); the helpers below derive the
-quantities that need more than one scalar (steps to a threshold, drift at matched movement, token
+``load()`` gives ``experiment -> (arm, setting) -> seed -> summary`` (E10's, E11's and E12's with their own numbers);
+the helpers below derive the quantities that need more than one scalar (steps to a threshold, drift at matched movement, token
 flips at equal confidence). ``lab.sections`` turns them into tables.
 """
 
@@ -192,9 +192,41 @@ def load_e11(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict
     return dict(runs)
 
 
+def e12_summary(record: dict) -> dict:
+    """:func:`e11_summary` plus E12's own numbers (pre-registered in docs/experiments.md): the entropy over the run
+    (S2) and over steps 0-9 (as the tax's, ``tax_early``), the largest absolute tax at any step (the identity check),
+    the steps whose first-turn agreement is not 1 (the manipulation check: a forced run agrees at every step), the
+    share of groups that end at their shared first turn (the forced arms only) and the SHA-256 of the warm start's
+    weights it started from (``lab.runs.model_sha256``; None in a record stored without it)."""
+    tax = _values(record, "health/learning_tax")
+    entropy = record["scalars"].get("health/entropy_mean", [])
+    agreement = record["scalars"].get("rollout/first_turn_agreement", [])
+    return {
+        **e11_summary(record),
+        "entropy": _mean([value for _, value in entropy]),
+        "entropy_early": _mean([value for step, value in entropy if step < E11_EARLY_STEPS]),
+        "tax_abs_max": max(map(abs, tax), default=math.nan),
+        "agreement_points": len(agreement),
+        "disagreeing_steps": tuple(int(step) for step, value in agreement if value != 1),
+        "forced_final": _mean(_values(record, "rollout/forced_final_first_turn")),
+        "model_sha256": record.get("model_sha256"),
+    }
+
+
+def load_e12(folder: Path | None = None) -> dict[tuple[str, str], dict[int, dict]]:
+    """``(arm, setting) -> seed -> summary`` (:func:`e12_summary`) of the runs ``<arm>-<setting>-seed<N>.json`` directly in
+    ``folder`` (default ``benchmarks/study/results/E12``; ``…/E12P`` holds its check before the main runs, stored alike)."""
+    runs: dict = defaultdict(dict)
+    for path in sorted((folder or RESULTS / "E12").glob("*-seed*.json")):
+        record = json.loads(path.read_text())
+        runs[(record["arm"], record["setting"])][record["seed"]] = e12_summary(record)
+    return dict(runs)
+
+
 def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int, dict[str, float]]]]:
     """``experiment -> (arm, setting) -> seed -> summary`` of every stored run in ``folder`` (default
-    ``benchmarks/study/results``); E10's main runs and E10-confirm's come from :func:`load_e10`."""
+    ``benchmarks/study/results``); E10's main runs and E10-confirm's come from :func:`load_e10`, E11's and E12's from
+    :func:`load_e11` and :func:`load_e12`."""
     folder = folder or RESULTS
     results: dict = defaultdict(lambda: defaultdict(dict))
     for path in sorted(folder.glob("E[1-9]/*-seed*.json")):
@@ -208,6 +240,9 @@ def load(folder: Path | None = None) -> dict[str, dict[tuple[str, str], dict[int
             results[name] = defaultdict(dict, runs)
     if e11 := load_e11(folder / "E11"):
         results["E11"] = defaultdict(dict, e11)
+    for name in ("E12", "E12P"):  # E12's main runs and its check before them
+        if e12 := load_e12(folder / name):
+            results[name] = defaultdict(dict, e12)
     return results
 
 
