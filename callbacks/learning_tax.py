@@ -89,22 +89,27 @@ def shared_positions(
     the context but not in ``mask``. Members agree at a position that all of them hold in their
     context, with the same token, from the same source (all in ``mask`` or none), so a prefix runs
     on through an observation they share; of that prefix only the ``mask`` positions are marked, the
-    tokens that get credit. Groups with one member in the batch have no shared positions, nor do
-    groups whose members' ``prompts`` differ, where given (``[B, P]``, ``input_ids[:, :P]``): an
-    environment whose opening text differs per episode gives a group's episodes different contexts.
+    tokens that get credit. A row with no token in ``mask`` (an agent's episode that failed, inert)
+    is no member of its group. Groups with fewer than two members in the batch have no shared
+    positions, nor do groups whose members' ``prompts`` differ, where given (``[B, P]``,
+    ``input_ids[:, :P]``): an environment whose opening text differs per episode gives a group's
+    episodes different contexts.
     """
     context = mask if context_mask is None else context_mask
     _, group = torch.unique(group_ids, return_inverse=True)
     groups = int(group.max()) + 1 if len(group) else 0
-    rows = torch.arange(len(group), device=group.device)
-    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
     credited = mask.bool()
+    member = credited.any(1)
+    rows = torch.where(member, torch.arange(len(group), device=group.device), len(group))
+    first_row = torch.full((groups,), len(group), device=group.device).scatter_reduce(0, group, rows, reduce="amin")[group]
+    first_row = torch.where(first_row < len(group), first_row, torch.arange(len(group), device=group.device))
     agrees = ((tokens == tokens[first_row]) & (credited == credited[first_row]) & context.bool()).long()
     if prompts is not None:
         agrees *= (prompts == prompts[first_row]).all(1, keepdim=True).long()
+    agrees |= (~member).long().unsqueeze(1)
     everyone = torch.ones(groups, tokens.shape[1], dtype=torch.long, device=tokens.device)
     everyone = everyone.scatter_reduce(0, group.unsqueeze(1).expand_as(agrees), agrees, reduce="amin")
-    members = torch.bincount(group, minlength=groups)
+    members = torch.bincount(group, weights=member.float(), minlength=groups)
     prefix = everyone.cumprod(1).bool() & (members > 1).unsqueeze(1)
     return prefix[group] & credited
 

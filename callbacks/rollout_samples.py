@@ -17,6 +17,8 @@ KEYS = ("input_ids", "prompt_length", "completion_mask", "rewards", "advantages"
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]|])")
 # around the environment's spans of a multi-turn episode: no Markdown meaning, and rarely in a model's text
 ENVIRONMENT_SPAN = "⟦env: {}⟧"
+# before an episode whose environment failed, with its cause
+FAILED_SPAN = "⟦failed: {}⟧"
 
 
 def markdown_cell(text: str) -> str:
@@ -56,8 +58,10 @@ class RolloutSamplesLogger(Callback):
     ``training_step`` returns, else from the batch (a dict or an object with those attributes); so
     is ``attention_mask`` (``[B, P + C]``), when there is one: after ``P`` it is 1 on the
     environment's tokens of an episode too (without it the completion is the ``completion_mask``
-    tokens alone). The LightningModule has a Hugging Face ``tokenizer``; prompts, turns and
-    observations are decoded with special tokens (padding, EOS) removed.
+    tokens alone). So is ``failures``, when there is one (``[B]``, why each row's episode failed, e.g.
+    ``"step_raised"``, None where it ran; lit_cancel's batch has it): a failed episode's row has no policy token to
+    credit, so its completion is what it holds in its context, after ``⟦failed: CAUSE⟧``. The LightningModule has a
+    Hugging Face ``tokenizer``; prompts, turns and observations are decoded with special tokens (padding, EOS) removed.
 
     Args:
         every_n_steps: how often to write samples, in optimizer steps (step 0 included).
@@ -111,12 +115,17 @@ class RolloutSamplesLogger(Callback):
         values = {key: _lookup(key, outputs, batch) for key in KEYS}
         prompt_length = int(values["prompt_length"])
         attention = _lookup("attention_mask", outputs, batch, required=False)
+        failures = _lookup("failures", outputs, batch, required=False)
         context = values["completion_mask"] if attention is None else attention[:, prompt_length:]
         lines = ["| prompt | completion | reward | advantage |", "|---|---|---|---|"]
         for row in range(min(self.num_samples, len(values["rewards"]))):
             ids = values["input_ids"][row]
             prompt = tokenizer.decode(ids[:prompt_length], skip_special_tokens=True)
-            completion = episode_text(tokenizer, ids[prompt_length:], values["completion_mask"][row], context[row])
+            if failures is not None and failures[row] is not None:
+                held = tokenizer.decode(ids[prompt_length:][context[row].bool()], skip_special_tokens=True)
+                completion = FAILED_SPAN.format(failures[row]) + held
+            else:
+                completion = episode_text(tokenizer, ids[prompt_length:], values["completion_mask"][row], context[row])
             reward, advantage = float(values["rewards"][row]), float(values["advantages"][row])
             lines.append(f"| {markdown_cell(prompt)} | {markdown_cell(completion)} | {reward:.4g} | {advantage:+.4g} |")
         return "\n".join(lines)

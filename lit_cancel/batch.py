@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_cancel.logprobs import unpadded_span
+from lit_cancel.rounds.failures import FAILURE_CAUSES
 
 
 @dataclass
@@ -35,6 +36,10 @@ class RolloutBatch:
             weights may lag the trainer's (rollout servers); None: sampled by the weights being trained.
         correct: ``[B]`` whether each completion is correct by the task's ``correct`` (1.0 or 0.0), NaN where the
             task cannot tell; None when not recorded (batches built by hand, checkpoints written before it was).
+        failure: ``[B]`` 0 where the rollout ran, else 1 + the index in
+            :data:`~lit_cancel.rounds.failures.FAILURE_CAUSES` of why its episode failed: such a row is inert (no token in
+            its completion mask, advantage 0, no member of its group's advantages); None when not recorded (batches
+            built by hand, checkpoints written before it was), where no row failed.
         step_sequences: sequences in the optimizer step (all micro-batches and processes), divided
             by the number of micro-batches that Lightning and DDP average over; a loss normalised by
             it does not depend on how the step's rollouts are split.
@@ -56,6 +61,7 @@ class RolloutBatch:
     sampler_logprobs: Tensor | None = None
     sampler_steps: Tensor | None = None
     correct: Tensor | None = None
+    failure: Tensor | None = None
     step_sequences: float = 0.0
     step_tokens: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
@@ -63,11 +69,27 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def failed(self) -> Tensor:
+        """``[B]`` bool: the rows whose episode failed (none where :attr:`failure` is not recorded)."""
+        if self.failure is None:
+            return torch.zeros(len(self), dtype=torch.bool, device=self.input_ids.device)
+        return self.failure > 0
+
+    @property
+    def failures(self) -> list[str | None]:
+        """Why each row's episode failed (a cause of :data:`~lit_cancel.rounds.failures.FAILURE_CAUSES`), None where it ran:
+        what ``RolloutSamplesLogger`` shows."""
+        codes = [0] * len(self) if self.failure is None else self.failure.tolist()
+        return [None if code == 0 else FAILURE_CAUSES[code - 1] for code in codes]
+
     def select(self, rows: Tensor) -> "RolloutBatch":
         """The rows ``rows`` of this batch (per-row tensors indexed, the rest kept), without the columns that all of
-        them pad: leading prompt columns and trailing completion columns."""
+        them pad: leading prompt columns and trailing completion columns (but for the first)."""
         picked = {f.name: getattr(self, f.name)[rows] for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
         start, end = unpadded_span(picked["attention_mask"], self.prompt_length)
+        # one completion column stays where every row pads them all (episodes that all failed at their start)
+        end = max(end, self.prompt_length + min(1, self.completion_mask.shape[1]))
         for name, value in picked.items():
             if name in ("input_ids", "attention_mask"):
                 picked[name] = value[:, start:end]
@@ -102,6 +124,9 @@ class RolloutBatch:
             if f.name in ("prompt_length", "step_sequences", "step_tokens", "stats"):
                 continue
             values = [padded(b, f.name) for b in batches]
+            if f.name == "failure" and any(v is not None for v in values):  # a batch that does not record it had none
+                values = [torch.zeros(len(b), dtype=torch.long, device=b.input_ids.device) if v is None else v
+                          for b, v in zip(batches, values, strict=True)]
             merged[f.name] = None if any(v is None for v in values) else torch.cat(values)
         return RolloutBatch(prompt_length=prompt_length, **merged)
 

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.rounds.failures import FailureBudget
 from lit_cancel.rounds.plans import MiniBatchPlan, QueryPreserved, groups_split, micro_batches
 from lit_cancel.rounds.producer import Processes, RolloutProducer
 from lit_cancel.rounds.resume import check_resume, class_path
@@ -120,6 +121,15 @@ class RolloutDataModule(TaskDataModule):
         seed: seed of the prompt order, the sampling and the plans.
         allow_resume_changes: resume from a checkpoint whose round sizes, plan or objective differ
             from this run's; without it such a resume stops at start-up and names what changed.
+        max_failed_share: the share of a round's episodes (an agent task's) whose environment may fail: a failed
+            episode's row is inert and its group trains its other members (:mod:`lit_cancel.rounds.failures`); a round
+            above it is a bad round. A validation outside ``fit`` (the one before training, ``lit-cancel validate``)
+            above it is refused. 0: any failure makes a bad round.
+        max_failed_rounds: bad rounds in a row that stop the run, naming the most frequent cause and a failing record.
+
+    The failure budget is the datamodule's, not the task's, because its state (the bad rounds in a row) must be in the
+    checkpoint with the round counters it goes with, and the datamodule's ``state_dict`` is what a checkpoint keeps of
+    the rounds.
     """
 
     def __init__(
@@ -135,6 +145,8 @@ class RolloutDataModule(TaskDataModule):
         val_batch_size: int = 200,
         seed: int = 0,
         allow_resume_changes: bool = False,
+        max_failed_share: float = 0.25,
+        max_failed_rounds: int = 3,
     ):
         super().__init__(task, val_batch_size)
         if group_size < 2:
@@ -153,8 +165,9 @@ class RolloutDataModule(TaskDataModule):
         self.allow_resume_changes = allow_resume_changes
         # steps after a round's first are off-policy: they need the log-probs recorded at rollout time
         off_policy = mini_batches_per_round > 1 or epochs_per_round > 1 or self.plan.carries_rollouts
+        self.failure_budget = FailureBudget(max_failed_share, max_failed_rounds, option="data.init_args.")
         self.producer = RolloutProducer(task, prompts_per_round, group_size, self.steps_per_round, dynamic_sampling, max_prompt_draws, seed,
-                                        with_old_logprobs=off_policy)
+                                        with_old_logprobs=off_policy, budget=self.failure_budget)
         # the room for prompts (context minus max_new_tokens) that every prompt was found to fit in
         self.prompts_fit_in: int | None = None
         self.rounds_done = 0
@@ -308,6 +321,7 @@ class RolloutDataModule(TaskDataModule):
             "run_shape": self.run_shape(self._objective()),
             "rounds_done": self.rounds_done,
             "prompt_draws": self.producer.prompt_draws,
+            "failed_rounds_in_a_row": self.failure_budget.bad_rounds,
             "processes": _gathered(own),
         }
 
@@ -322,6 +336,7 @@ class RolloutDataModule(TaskDataModule):
         processes = _per_process(state_dict)
         own = processes[rank] if len(processes) == world else {"pending": [], "waiting": None}
         self.rounds_done, self.producer.prompt_draws = state_dict["rounds_done"], state_dict["prompt_draws"]
+        self.failure_budget.bad_rounds = state_dict.get("failed_rounds_in_a_row", 0)  # none before it was kept
         self.pending = [RolloutBatch.from_state(s) for s in own["pending"]]
         self.waiting = None if own["waiting"] is None else RolloutBatch.from_state(own["waiting"])
 

@@ -80,7 +80,9 @@ def _chunk_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: 
 def _head_stats(hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
     """``(logprobs, entropy)``, each ``[N]``, of ``targets`` (``[N]``) after the states ``hidden`` (``[N, H]``)."""
     logprobs, entropies = [], []
-    for start in range(0, targets.numel(), chunk_size):
+    # no target (every episode of a micro-batch failed at its start) is still one pass of the head, on nothing: the loss
+    # stays a function of every parameter, with a zero gradient
+    for start in range(0, max(targets.numel(), 1), chunk_size):
         piece = (hidden[start : start + chunk_size], head, targets[start : start + chunk_size], temperature)
         if torch.is_grad_enabled() and hidden.requires_grad:
             lp, ent = checkpoint(_chunk_stats, *piece, use_reentrant=False)

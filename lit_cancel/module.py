@@ -6,6 +6,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -22,6 +23,7 @@ from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.objectives.presets import GRPO
 from lit_cancel.rounds.draw import record_names
+from lit_cancel.rounds.failures import FailedEpisodes, FailureCount
 from lit_cancel.rounds.sample import Generation, PolicySampling, encode_completions, named_rollout, padded, stop_token_ids
 from lit_cancel.rounds.score import accuracy_terms
 from lit_cancel.sharding import ModelRoot, is_sharded, shard, total_norm
@@ -57,7 +59,10 @@ class PolicyModule(L.LightningModule, PolicySampling):
     ``records``; the datamodule's ``task`` judges the completions. Logged at ``global_step`` (the steps
     done, as the progress bar shows them): ``val/accuracy`` (share of ``val_samples`` samples per
     prompt at ``temperature`` that are correct by the task's ``correct``, or their mean reward where
-    the task cannot tell) and ``val/greedy_accuracy`` (greedy pass@1, likewise).
+    the task cannot tell) and ``val/greedy_accuracy`` (greedy pass@1, likewise); where the task's rollouts are an agent's
+    episodes, ``val/failed_episodes`` (the share whose environment failed, left out of both accuracies). Where more fail
+    than the datamodule's ``max_failed_share`` in a validation outside ``fit`` (the one before training, ``lit-cancel
+    validate``), it raises :class:`~lit_cancel.rounds.failures.FailedEpisodes`.
 
     The Hugging Face model is ``self.policy.model``; ``self.policy`` is a :class:`ModelRoot`, and
     every use of the model goes through it (``self.policy(fn, *args)``) so that sharding works.
@@ -166,6 +171,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
         self.policy = ModelRoot(model)
         self.lora = lora
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
+        self.val_failures = FailureCount()  # the episodes of the validation in progress that failed
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         """The backward pass in the forward pass's products (:mod:`lit_cancel.float32_products`)."""
@@ -214,19 +220,41 @@ class PolicyModule(L.LightningModule, PolicySampling):
         task = self.trainer.datamodule.task
         rollout = named_rollout(task.rollout, record_names(task, "val", batch["indices"]))
         greedy = rollout(self, records, batch["input_ids"], batch["attention_mask"], greedy=True)
-        self.val_greedy_accuracy.update(accuracy_terms(task, records, greedy.texts, greedy.rewards))
+        self.update_accuracy(self.val_greedy_accuracy, task, records, greedy)
         sampled = rollout(self, records, batch["input_ids"], batch["attention_mask"], num_samples=self.val_samples)
-        repeated = [r for r in records for _ in range(self.val_samples)]
-        self.val_accuracy.update(accuracy_terms(task, repeated, sampled.texts, sampled.rewards))
+        self.update_accuracy(self.val_accuracy, task, [r for r in records for _ in range(self.val_samples)], sampled)
         # the loggers get the values in on_validation_epoch_end, at the step the training scalars and the bar show
         self.log("val/accuracy", self.val_accuracy, batch_size=size * self.val_samples, logger=False)
         self.log("val/greedy_accuracy", self.val_greedy_accuracy, batch_size=size, logger=False)
+
+    def update_accuracy(self, metric: MeanMetric, task, records: list[dict], generation: Generation) -> None:
+        """Adds ``generation``'s accuracy terms to ``metric``, of the rows whose episode ran: a failed episode is counted in
+        ``val/failed_episodes`` instead (where the task's rollouts are episodes)."""
+        if generation.failures is None:
+            metric.update(accuracy_terms(task, records, generation.texts, generation.rewards))
+            return
+        self.val_failures.add(generation.failures)
+        ran = [row for row, failure in enumerate(generation.failures) if failure is None]
+        if ran:
+            given = None if generation.rewards is None else generation.rewards[ran]
+            metric.update(accuracy_terms(task, [records[row] for row in ran], [generation.texts[row] for row in ran], given))
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_failures = FailureCount()
 
     def on_validation_epoch_end(self) -> None:
         # Lightning would log a validation within fit at the steps done before the step that triggered it
         if self.trainer.sanity_checking:
             return
         values = {"val/accuracy": float(self.val_accuracy.compute()), "val/greedy_accuracy": float(self.val_greedy_accuracy.compute())}
+        if self.val_failures.episodes:  # episodes, which may fail
+            failures = self.val_failures.summed(lambda counts: self.trainer.strategy.reduce(counts, reduce_op="sum"), self.device)
+            values["val/failed_episodes"] = failures.share
+            self.log("val/failed_episodes", failures.share, logger=False)
+            budget = getattr(self.trainer.datamodule, "failure_budget", None)
+            # the validation before training, and lit-cancel validate: episodes that fail past the budget are bad input
+            if budget is not None and self.trainer.state.fn == TrainerFn.VALIDATING and budget.exceeded(failures):
+                raise FailedEpisodes(budget.validation_message(failures))
         # a validation of a checkpoint outside fit has global_step 0: it belongs at the checkpoint's step
         step = max(self.global_step, self.loaded_step)
         if self.trainer.is_global_zero:

@@ -45,6 +45,7 @@ SERIES = {
     "rollout/frac_turn_limit": "share of episodes that ran out of turns (max_turns) (agent tasks)",
     "rollout/frac_turn_cut": "share of turns cut at max_turn_tokens (agent tasks)",
     "rollout/frac_episode_cut": "share of episodes cut at max_episode_tokens (agent tasks)",
+    "rollout/failed_episodes": "share of episodes whose environment failed: raised, wrong type, past episode_timeout (agent tasks)",
     "health/entropy": "mean per-token entropy of the policy on its rollouts",
     "health/grad_norm": "gradient norm before clipping",
     "health/update_ratio": "root-mean-square parameter update over root-mean-square parameter, per optimizer step",
@@ -69,6 +70,7 @@ SETTINGS = {
     "max_turns": "an agent task's turns per episode at most",
     "max_turn_tokens": "an agent task's tokens per turn at most (max_new_tokens when the task leaves it unset)",
     "max_episode_tokens": "an agent task's tokens after the prompt per episode at most, the policy's and the environment's",
+    "max_failed_share": "the share of a round's episodes that may fail before the round counts against the failure budget",
 }
 # where each framework sets what a remedy changes: lit_cancel's config keys (as `lit-cancel fit` takes them), TRL's
 # GRPOConfig fields, verl's config keys
@@ -82,6 +84,10 @@ SETTING_KEYS = {
         "max_turns": "data.init_args.task.init_args.max_turns",
         "max_turn_tokens": "data.init_args.task.init_args.max_turn_tokens",
         "max_episode_tokens": "data.init_args.task.init_args.max_episode_tokens",
+        "episode_timeout": "data.init_args.task.init_args.episode_timeout",
+        # the failure budget of an agent task's episodes (lit_cancel.RolloutDataModule)
+        "max_failed_share": "data.init_args.max_failed_share",
+        "max_failed_rounds": "data.init_args.max_failed_rounds",
     },
     "trl": {"max_new_tokens": "max_completion_length", "temperature": "temperature", "kl_coef": "beta", "group_size": "num_generations"},
     "verl": {

@@ -74,6 +74,7 @@ LIT_CANCEL_SETTINGS = {
     "data.init_args.task.init_args.max_turns": "max_turns",  # an agent task's limits (lit_cancel.agents.AgentTask)
     "data.init_args.task.init_args.max_turn_tokens": "max_turn_tokens",  # null (the module's max_new_tokens) is not read
     "data.init_args.task.init_args.max_episode_tokens": "max_episode_tokens",
+    "data.init_args.max_failed_share": "max_failed_share",  # the failure budget of an agent task's episodes
 }
 TRL_SETTINGS = {"temperature": "temperature", "max_completion_length": "max_new_tokens", "beta": "kl_coef"}
 TRL_ARGS_TAG = "args/text_summary"  # transformers' TensorBoardCallback writes the TrainingArguments as JSON text

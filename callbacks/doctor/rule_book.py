@@ -285,6 +285,53 @@ class Truncation(Rule):
 
 
 @register
+class FailingEpisodes(Rule):
+    """A share of episodes fails, and it rises or stays high (``rollout/failed_episodes``): the environment raises, answers
+    with the wrong type or runs past the task's ``episode_timeout``. A failed episode trains nothing (its row is inert,
+    its group trains the others), so the share is learning signal lost, and a run whose rounds keep failing more than
+    ``max_failed_share`` stops."""
+
+    name = "failing_episodes"
+    needs = ("rollout/failed_episodes",)
+    rank = 14  # the environment itself fails: before its tools' failures (16) and the turns and groups it spoils
+    min_share = 0.05  # late mean below which no share is read
+    min_rise = 2.0  # late mean over early mean that makes a share rising
+    steady_share = 0.1  # late mean that is a finding even when it does not rise
+    severe_share = 0.2
+
+    def check(self, history: RunHistory) -> Finding | None:
+        values = history.values("rollout/failed_episodes")
+        early, late = mean(head(values)), mean(tail(values))
+        rising = late >= self.min_rise * early
+        if late < self.min_share or (not rising and late < self.steady_share):
+            return None
+        steps = _steps(history, "rollout/failed_episodes")
+        evidence = (f"rollout/failed_episodes rose from {early:.2f} to {late:.2f} of the episodes by {steps}" if rising else
+                    f"rollout/failed_episodes averages {late:.2f} of the episodes over {steps}")
+        evidence += f" (threshold {self.min_share:g}{', rising 2x' if rising else f', or {self.steady_share:g} steady'})"
+        by_cause = {name.rpartition("/")[2]: _late(history, name) for name in history.series
+                    if name.startswith("rollout/failed_episodes/")}
+        cause = max(by_cause, key=by_cause.get, default=None)
+        if cause is not None and by_cause[cause] > 0:
+            evidence += f"; most often {cause} (rollout/failed_episodes/{cause} averages {by_cause[cause]:.2f})"
+        budget = history.settings.get("max_failed_share")
+        remedy = ("read the failed episodes in TensorBoard's Text tab (RolloutSamplesLogger marks them ⟦failed: CAUSE⟧, "
+                  "the messages name the environment's method and the record) and call the environment by hand on those "
+                  "records")
+        if cause == "timeout":
+            remedy += f", or raise {_agent_key(history, 'episode_timeout')} where the environment is slow rather than stuck"
+        remedy += (f"; the run stops where more than {_agent_key(history, 'max_failed_share')}"
+                   + (f" (now {budget:g})" if budget is not None else "")
+                   + f" of a round's episodes fail in {_agent_key(history, 'max_failed_rounds')} rounds in a row.")
+        return self.finding(
+            "severe" if late >= self.severe_share else "warning",
+            ("A rising share" if rising else "A steady share") + " of episodes fails: the environment raises, answers with "
+            "the wrong type, or runs past episode_timeout, and a failed episode trains nothing.",
+            evidence + ".", remedy, strength=late, history=history,
+        )
+
+
+@register
 class ToolFailures(Rule):
     """The policy's tool calls fail on a large share of calls (``rollout/tool_errors`` over ``rollout/tool_calls``):
     calls the environment cannot read, calls to no tool, tools that raise or time out. Each failure is an observation

@@ -8,6 +8,8 @@ ever tokenized twice (:mod:`lit_cancel.agents`).
 
 import functools
 import inspect
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,8 +75,52 @@ class Environment(ABC):
 
 
 class EnvironmentFailure(RuntimeError):
-    """An environment's factory, ``reset``, ``step`` or ``reward`` raised, or answered with something else than it must:
-    one line naming the environment, the method, the turn and the record (``"val record 3"``)."""
+    """An environment's factory, ``reset``, ``step`` or ``reward`` raised, answered with something else than it must, or
+    ran past the episode's ``episode_timeout``: one line naming the environment, the method, the turn and the record
+    (``"val record 3"``); ``cause`` says which (one of :data:`~lit_cancel.rounds.failures.FAILURE_CAUSES`)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class RanPastTimeout(Exception):
+    """An environment's call ran past the time its episode had left."""
+
+
+class EpisodeClock:
+    """The time an episode's environment calls may take in all: ``limit`` seconds (the task's ``episode_timeout``), None
+    for no limit. :meth:`call` runs a call within what is left; one that runs past it is left running in a daemon thread
+    (its late answer dropped), as a tool's call that runs past its timeout is."""
+
+    def __init__(self, limit: float | None = None) -> None:
+        self.limit, self.spent = limit, 0.0
+
+    def call(self, function: Callable, *args: object) -> object:
+        """``function(*args)``; :class:`RanPastTimeout` where it runs past the time left (an exception it raises, raised)."""
+        if self.limit is None:
+            return function(*args)
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = function(*args)
+            except BaseException as error:  # noqa: BLE001 - raised again in the episode's thread
+                outcome["error"] = error
+
+        started = time.monotonic()
+        thread = threading.Thread(target=run, daemon=True, name=f"environment-{getattr(function, '__name__', 'call')}")
+        thread.start()
+        thread.join(max(self.limit - self.spent, 0.0))
+        self.spent += time.monotonic() - started
+        if thread.is_alive():
+            raise RanPastTimeout
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def overrun(self) -> str:
+        return f"within episode_timeout={self.limit:g} s (all of an episode's environment calls)"
 
 
 def factory_name(make: Callable[[], object]) -> str:
@@ -87,57 +133,68 @@ def factory_name(make: Callable[[], object]) -> str:
     return (getattr(make, "__qualname__", None) or type(make).__name__).rpartition("<locals>.")[2]
 
 
-def new_environment(make: Callable[[], Environment], when: str) -> Environment:
+def new_environment(make: Callable[[], Environment], when: str, clock: EpisodeClock | None = None) -> Environment:
     """``make()``, checked: an :class:`Environment`, else :class:`EnvironmentFailure` naming the factory and ``when``
-    (``"at start-up"``, ``"for val record 3"``)."""
+    (``"at start-up"``, ``"for val record 3"``); within the time ``clock`` leaves, where given."""
+    clock = clock or EpisodeClock()
     try:
-        environment = make()
+        environment = clock.call(make)
+    except RanPastTimeout:
+        raise EnvironmentFailure(f"the environment factory {factory_name(make)} did not answer {when} {clock.overrun()}",
+                                 "timeout") from None
     except Exception as error:
         raise EnvironmentFailure(
-            f"the environment factory {factory_name(make)} raised {when}: {type(error).__name__}: {error}"
+            f"the environment factory {factory_name(make)} raised {when}: {type(error).__name__}: {error}", "factory_raised"
         ) from error
     if not isinstance(environment, Environment):
         raise EnvironmentFailure(
             f"the environment factory {factory_name(make)} returned {type(environment).__name__} {when}; it must return an "
-            "Environment (lit_cancel.agents.Environment)"
+            "Environment (lit_cancel.agents.Environment)", "factory_wrong_type"
         )
     return environment
 
 
-def reset_episode(environment: Environment, record: Record, where: str) -> str | None:
+def reset_episode(environment: Environment, record: Record, where: str, clock: EpisodeClock | None = None) -> str | None:
     """``environment.reset(record)``, checked: a text or None, else :class:`EnvironmentFailure` naming ``where`` (the
-    record, e.g. ``"train record 12"``)."""
-    name = environment.method_name("reset")
+    record, e.g. ``"train record 12"``); within the time ``clock`` leaves, where given."""
+    name, clock = environment.method_name("reset"), clock or EpisodeClock()
     try:
-        text = environment.reset(record)
+        text = clock.call(environment.reset, record)
+    except RanPastTimeout:
+        raise EnvironmentFailure(f"{name} did not answer on {where} {clock.overrun()}", "timeout") from None
     except Exception as error:
-        raise EnvironmentFailure(f"{name} raised on {where}: {type(error).__name__}: {error}") from error
+        raise EnvironmentFailure(f"{name} raised on {where}: {type(error).__name__}: {error}", "reset_raised") from error
     if text is not None and not isinstance(text, str):
-        raise EnvironmentFailure(f"{name} returned {type(text).__name__} on {where}; it must return text or None")
+        raise EnvironmentFailure(f"{name} returned {type(text).__name__} on {where}; it must return text or None", "reset_wrong_type")
     return text
 
 
-def step_episode(environment: Environment, action: str, turn: int, where: str) -> Observation:
+def step_episode(environment: Environment, action: str, turn: int, where: str, clock: EpisodeClock | None = None) -> Observation:
     """``environment.step(action)`` at turn ``turn`` (1 for the first), checked: an :class:`Observation`, else
-    :class:`EnvironmentFailure` naming the turn and ``where``."""
-    name = environment.method_name("step")
+    :class:`EnvironmentFailure` naming the turn and ``where``; within the time ``clock`` leaves, where given."""
+    name, clock = environment.method_name("step"), clock or EpisodeClock()
     try:
-        observation = environment.step(action)
+        observation = clock.call(environment.step, action)
+    except RanPastTimeout:
+        raise EnvironmentFailure(f"{name} did not answer at turn {turn} of {where} {clock.overrun()}", "timeout") from None
     except Exception as error:
-        raise EnvironmentFailure(f"{name} raised at turn {turn} of {where}: {type(error).__name__}: {error}") from error
+        raise EnvironmentFailure(f"{name} raised at turn {turn} of {where}: {type(error).__name__}: {error}",
+                                 "step_raised") from error
     if not isinstance(observation, Observation):
         raise EnvironmentFailure(
-            f"{name} returned {type(observation).__name__} at turn {turn} of {where}; it must return an Observation"
+            f"{name} returned {type(observation).__name__} at turn {turn} of {where}; it must return an Observation",
+            "step_wrong_type"
         )
     return observation
 
 
-def episode_reward(environment: Environment, where: str) -> object:
-    """``environment.reward()`` of the finished episode; one that raises becomes :class:`EnvironmentFailure` naming
-    ``where`` (the value itself is checked as any reward is)."""
+def episode_reward(environment: Environment, where: str, clock: EpisodeClock | None = None) -> object:
+    """``environment.reward()`` of the finished episode, within the time ``clock`` leaves, where given; one that raises
+    or runs past it becomes :class:`EnvironmentFailure` naming ``where`` (the value itself is checked as any reward is)."""
+    name, clock = environment.method_name("reward"), clock or EpisodeClock()
     try:
-        return environment.reward()
+        return clock.call(environment.reward)
+    except RanPastTimeout:
+        raise EnvironmentFailure(f"{name} did not answer on {where} {clock.overrun()}", "timeout") from None
     except Exception as error:
-        raise EnvironmentFailure(
-            f"{environment.method_name('reward')} raised on {where}: {type(error).__name__}: {error}"
-        ) from error
+        raise EnvironmentFailure(f"{name} raised on {where}: {type(error).__name__}: {error}", "reward_raised") from error

@@ -8,7 +8,10 @@ environment's tokens stay in the context and out of every credit and normaliser.
 
 An episode ends when the environment says it is done, after ``max_turns`` turns, when a turn runs past
 ``max_turn_tokens`` without a stop token (the environment is not asked to read half a turn), or at
-``max_episode_tokens`` (its last turn or observation cut there).
+``max_episode_tokens`` (its last turn or observation cut there). It fails when its environment does (its factory,
+``reset``, ``step`` or ``reward`` raises or answers with the wrong type, or its calls run past ``episode_timeout``): it is
+marked with a :class:`~lit_cancel.rounds.failures.Failure` and its row is inert (no policy token in its completion mask,
+no reward asked of the task), while the other episodes run on.
 """
 
 from collections.abc import Callable, Sequence
@@ -18,9 +21,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_cancel.agents.environment import Environment, episode_reward, new_environment, reset_episode, step_episode
+from lit_cancel.agents.environment import (
+    Environment,
+    EnvironmentFailure,
+    EpisodeClock,
+    episode_reward,
+    new_environment,
+    reset_episode,
+    step_episode,
+)
+from lit_cancel.rounds.failures import Failure
 from lit_cancel.rounds.sample import Generation, padded
-from lit_cancel.rounds.score import checked_reward
+from lit_cancel.rounds.score import RewardError, checked_reward
 from lit_cancel.tasks import Record
 
 ENDINGS = ("done", "turn_limit", "turn_cut", "episode_cut")
@@ -34,17 +46,23 @@ class EpisodeLimits:
         max_turns: turns of the policy at most.
         max_turn_tokens: tokens of one turn at most; the policy module's ``max_new_tokens`` when None.
         max_episode_tokens: tokens after the prompt at most, the policy's and the environment's together.
+        episode_timeout: seconds the environment's calls of one episode may take in all (its factory, ``reset``, each
+            ``step``, ``reward``); an episode whose calls run past it fails (a call that hangs is left running in a
+            daemon thread). None: no limit, and the calls run in the episode's own thread.
     """
 
     max_turns: int = 4
     max_turn_tokens: int | None = None
     max_episode_tokens: int = 512
+    episode_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.episode_timeout is not None and not self.episode_timeout > 0:
+            raise ValueError(f"episode_timeout must be > 0 seconds or None, got {self.episode_timeout!r}")
 
 
 @dataclass
@@ -52,8 +70,9 @@ class Episode:
     """One episode as it runs: its prompt and its tokens, each from the policy or the environment."""
 
     prompt: list[int]
-    environment: Environment
+    environment: Environment | None
     where: str
+    clock: EpisodeClock
     tokens: list[int] = field(default_factory=list)
     from_policy: list[bool] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
@@ -64,6 +83,11 @@ class Episode:
     tool_output_faults: int = 0
     turn_steps: list[int] = field(default_factory=list)
     ending: str | None = None
+    failure: Failure | None = None
+
+    def fail(self, error: EnvironmentFailure) -> None:
+        """Marks the episode failed by ``error``: it takes no more turns, and its row will be inert."""
+        self.failure, self.ending = Failure(error.cause, str(error)), "failed"
 
     def turn_texts(self) -> list[str]:
         """The policy's turns as text: the transcript alternates turn and observation, starting with a turn."""
@@ -100,10 +124,15 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     for index, (record, ids, mask) in enumerate(zip(records, input_ids.cpu(), attention_mask.cpu(), strict=True)):
         where = names[index] if names is not None else f"record {index}"
         for _ in range(num_samples):
-            environment = new_environment(make_environment, f"for {where}")
-            opening = reset_episode(environment, record, where)
-            prompt = ids[mask.bool()].tolist() + (tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else [])
-            episodes.append(Episode(prompt, environment, where))
+            episode = Episode(ids[mask.bool()].tolist(), None, where, EpisodeClock(limits.episode_timeout))
+            try:
+                episode.environment = new_environment(make_environment, f"for {where}", episode.clock)
+                opening = reset_episode(episode.environment, record, where, episode.clock)
+            except EnvironmentFailure as error:
+                episode.fail(error)
+            else:
+                episode.prompt += tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
+            episodes.append(episode)
 
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)
@@ -125,20 +154,42 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
     for episode in episodes:
         episode.ending = episode.ending or "turn_limit"
 
-    rewards, reward_stats = (score or environment_rewards)([r for r in records for _ in range(num_samples)], episodes)
+    repeated = [record for record in records for _ in range(num_samples)]
+    if score is None:
+        rewards, reward_stats = [scored(episode) for episode in episodes], {}
+    else:
+        rewards, reward_stats = survivors_scored(score, repeated, episodes)
     return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
                          engine_stats | episode_stats(episodes) | reward_stats)
 
 
-def environment_rewards(records: list[Record], episodes: list[Episode]) -> tuple[list[float], dict[str, float]]:
-    """Each episode's environment's reward (:meth:`Environment.reward`), checked as any reward is; NaN where it gives
-    none."""
-    rewards = []
-    for episode in episodes:
-        reward = episode_reward(episode.environment, episode.where)
-        source = episode.environment.method_name("reward")
-        rewards.append(float("nan") if reward is None else checked_reward(reward, source, f"on {episode.where}"))
-    return rewards, {}
+def survivors_scored(score: EpisodeScorer, records: list[Record], episodes: list[Episode]) -> tuple[list[float], dict[str, float]]:
+    """``score`` of the episodes that did not fail; 0.0 for an episode that failed, or failed in the scoring (its
+    environment's reward raised), whose row is inert."""
+    alive = [index for index, episode in enumerate(episodes) if episode.failure is None]
+    rewards, stats = [0.0] * len(episodes), {}
+    if alive:
+        values, stats = score([records[i] for i in alive], [episodes[i] for i in alive])
+        for index, value in zip(alive, values, strict=True):
+            rewards[index] = value if episodes[index].failure is None else 0.0
+    return rewards, stats
+
+
+def scored(episode: Episode) -> float:
+    """The episode's reward by its environment: NaN where it gives none (the task's reward scores the episode), and 0.0
+    for an episode that failed, or fails here (a reward that raises, runs past the episode's time or is not a finite
+    number), whose row is inert: the task is not asked."""
+    if episode.failure is None:
+        try:
+            reward = episode_reward(episode.environment, episode.where, episode.clock)
+            if reward is not None:
+                return checked_reward(reward, episode.environment.method_name("reward"), f"on {episode.where}")
+            return float("nan")
+        except EnvironmentFailure as error:
+            episode.fail(error)
+        except RewardError as error:
+            episode.fail(EnvironmentFailure(str(error), "reward_wrong_type"))
+    return 0.0
 
 
 def take_turn(episode: Episode, generation: Generation, row: int, turn: int, last: bool, limits: EpisodeLimits,
@@ -160,7 +211,11 @@ def take_turn(episode: Episode, generation: Generation, row: int, turn: int, las
     if not stopped:
         episode.ending = "turn_cut"
         return
-    observation = step_episode(episode.environment, generation.texts[row], turn, episode.where)
+    try:
+        observation = step_episode(episode.environment, generation.texts[row], turn, episode.where, episode.clock)
+    except EnvironmentFailure as error:
+        episode.fail(error)
+        return
     episode.tool_calls += observation.tool_calls
     episode.tool_errors += observation.tool_errors
     episode.tool_output_faults += observation.tool_output_faults
@@ -190,10 +245,12 @@ def as_generation(episodes: list[Episode], pad_id: int, device: torch.device, re
         sampler_logprobs = padded_floats([e.sampler_logprobs for e in episodes], tokens.shape[1])
     # a row counts as sampled by the oldest weights any of its turns had
     steps = [min(e.turn_steps, default=None) for e in episodes]
+    trained = torch.tensor([e.failure is None for e in episodes])
     return Generation(
         input_ids=torch.cat([prompt_ids, tokens], 1).to(device),
         attention_mask=torch.cat([prompt_mask, attended], 1).to(device),
-        completion_mask=(from_policy.bool() & attended.bool()).long().to(device),
+        # a failed episode's row is inert: none of its tokens is the policy's to credit
+        completion_mask=(from_policy.bool() & attended.bool() & trained.unsqueeze(1)).long().to(device),
         prompt_length=prompt_ids.shape[1],
         texts=["".join(e.transcript) for e in episodes],
         sampler_logprobs=None if sampler_logprobs is None else sampler_logprobs.to(device),
@@ -201,6 +258,7 @@ def as_generation(episodes: list[Episode], pad_id: int, device: torch.device, re
         sampler_steps=None if None in steps else torch.tensor(steps, device=device),
         stats=stats,
         rewards=torch.tensor(rewards, device=device),
+        failures=[e.failure for e in episodes],
     )
 
 

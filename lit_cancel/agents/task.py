@@ -35,6 +35,9 @@ class AgentTask(Task):
         max_turns: turns of the policy per episode at most.
         max_turn_tokens: tokens per turn at most; the policy module's ``max_new_tokens`` when None.
         max_episode_tokens: tokens after the prompt per episode at most, the policy's and the environment's.
+        episode_timeout: seconds an episode's environment calls (factory, ``reset``, ``step``, ``reward``) may take in
+            all; an episode past it fails, as one whose environment raises does (its row inert, the others trained:
+            :mod:`lit_cancel.rounds.failures`). None: no limit.
 
     A subclass makes the records and one :meth:`environment` per episode, and scores episodes where the environment
     does not; :meth:`demonstration` (an episode that succeeds: :meth:`demonstration_turns` replayed against a new
@@ -43,8 +46,9 @@ class AgentTask(Task):
 
     rollout_in_one_call = False  # the policy is asked once per turn, the environment answering between turns
 
-    def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512) -> None:
-        self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens)
+    def __init__(self, max_turns: int = 4, max_turn_tokens: int | None = None, max_episode_tokens: int = 512,
+                 episode_timeout: float | None = None) -> None:
+        self.limits = EpisodeLimits(max_turns, max_turn_tokens, max_episode_tokens, episode_timeout)
         self.train_positions: dict[int, int] | None = None
 
     @abstractmethod
@@ -125,7 +129,7 @@ class EnvironmentTask(AgentTask):
             sum plus the environment's own reward (weight 1), values of None left out, and the task's reward where
             all are None. None: the environment's reward, else the task's.
         reward_weights: one weight per reward function (TRL's ``reward_weights``); 1.0 each when None.
-        max_turns, max_turn_tokens, max_episode_tokens: as :class:`AgentTask`.
+        max_turns, max_turn_tokens, max_episode_tokens, episode_timeout: as :class:`AgentTask`.
         tool_timeout: seconds a tool call of a TRL environment may take; 10 when None. An environment of your own times
             its tools itself.
         chat_template: a local Hugging Face folder (``embedded:NAME`` too) whose tokenizer's chat template renders each
@@ -160,8 +164,8 @@ class EnvironmentTask(AgentTask):
                  reward_weights: list[float] | None = None, max_turns: int = 4, max_turn_tokens: int | None = None,
                  max_episode_tokens: int = 512, tool_timeout: float | None = None, chat_template: str | None = None,
                  call_format: CallFormat | None = None,
-                 demonstration_turns: Callable[[Record], list[str]] | None = None) -> None:
-        super().__init__(max_turns, max_turn_tokens, max_episode_tokens)
+                 demonstration_turns: Callable[[Record], list[str]] | None = None, episode_timeout: float | None = None) -> None:
+        super().__init__(max_turns, max_turn_tokens, max_episode_tokens, episode_timeout)
         if (environment is None) == (trl_environment is None):
             raise ValueError("EnvironmentTask: give exactly one of environment (an Environment factory) and trl_environment "
                              "(a TRL environment_factory)")

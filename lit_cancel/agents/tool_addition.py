@@ -35,12 +35,14 @@ class ToolAdditionTask(AgentTask):
         tool_share: the share of demonstrations (:meth:`demonstration`, what a supervised warm-up trains on) that call
             the tool; the others answer at once.
         seed: seed of both splits.
+        episode_timeout: as :class:`AgentTask`.
     """
 
     def __init__(self, num_digits: int = 5, train_size: int = 20000, val_size: int = 200, max_turns: int = 3,
-                 tool_share: float = 0.5, seed: int = 0) -> None:
+                 tool_share: float = 0.5, seed: int = 0, episode_timeout: float | None = None) -> None:
         call_tokens = len("calculate: ") + 2 * num_digits + 2
-        super().__init__(max_turns=max_turns, max_turn_tokens=call_tokens, max_episode_tokens=max_turns * 2 * call_tokens)
+        super().__init__(max_turns=max_turns, max_turn_tokens=call_tokens, max_episode_tokens=max_turns * 2 * call_tokens,
+                         episode_timeout=episode_timeout)
         if not 0 <= tool_share <= 1:
             raise ValueError(f"ToolAdditionTask: tool_share must be in [0, 1], got {tool_share}")
         self.problems, self.tool_share = AdditionTask(num_digits, train_size, val_size, seed), tool_share

@@ -24,7 +24,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from lit_cancel.agents.environment import episode_reward
+from lit_cancel.agents.environment import EnvironmentFailure, episode_reward
 from lit_cancel.agents.episodes import Episode
 from lit_cancel.agents.trl_environment import TRLEnvironment, awaited, dataset_row
 from lit_cancel.rounds.score import RewardError, checked_reward
@@ -74,6 +74,19 @@ def trl_instance(episode: Episode) -> object:
     return environment.instance if isinstance(environment, TRLEnvironment) else environment
 
 
+def environment_reward(episode: Episode) -> float | None:
+    """The episode's environment's own reward (a TRL environment's ``get_reward``), checked as any reward is; None where
+    it gives none, or where it raises or runs past the episode's time: the episode then fails (its row inert)."""
+    try:
+        value = episode_reward(episode.environment, episode.where, episode.clock)
+        return None if value is None else checked_reward(value, episode.environment.method_name("reward"), f"on {episode.where}")
+    except EnvironmentFailure as error:
+        episode.fail(error)
+    except RewardError as error:
+        episode.fail(EnvironmentFailure(str(error), "reward_wrong_type"))
+    return None
+
+
 def completion(row: Record, episode: Episode) -> str | list[dict]:
     """The episode as TRL's ``completions`` holds it: one assistant message per turn of the policy where the row's prompt
     is chat messages, else the transcript as text."""
@@ -113,11 +126,7 @@ class RewardFunctions:
         metrics: dict[str, list[float]] = defaultdict(list)
         sources = [(name, weight, self.called(index, rows, episodes, wheres, lambda key, value: metrics[key].append(float(value))))
                    for index, (name, weight) in enumerate(zip(self.names, self.weights, strict=True))]
-        environment_values = []
-        for episode in episodes:
-            value = episode_reward(episode.environment, episode.where)
-            method = episode.environment.method_name("reward")
-            environment_values.append(None if value is None else checked_reward(value, method, f"on {episode.where}"))
+        environment_values = [environment_reward(episode) for episode in episodes]
         if any(value is not None for value in environment_values):
             sources.append((type(trl_instance(episodes[0])).__name__, 1.0, environment_values))
         rewards = []

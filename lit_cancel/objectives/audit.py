@@ -51,10 +51,12 @@ import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.objectives.advantages import member_advantages
 from lit_cancel.objectives.corrections import CORRECTIONS
 from lit_cancel.objectives.policy_gradient import Objective
 from lit_cancel.objectives.presets import PRESETS
 from lit_cancel.objectives.trust_regions import TRUST_REGIONS
+from lit_cancel.rounds.failures import FAILURE_CAUSES
 
 # the names presets had before they took their class names
 OLD_NAMES = {
@@ -72,13 +74,14 @@ def shared_positions(
     A group's shared positions are its longest common prefix over the context, ``context_mask``
     (``mask`` when None; a multi-turn episode's environment tokens are context, not ``mask``): the
     members agree where all of them hold a context token, the same, from the same source. Only the
-    prefix's ``mask`` positions are marked. Groups with one member have none, nor do groups whose members'
-    ``prompts`` (``[B, P]``, where given) differ.
+    prefix's ``mask`` positions are marked. A row with no token in ``mask`` (a failed episode's) is no member of its
+    group. Groups with fewer than two members have none, nor do groups whose members' ``prompts`` (``[B, P]``, where
+    given) differ.
     """
     context = mask if context_mask is None else context_mask
     shared = torch.zeros_like(tokens, dtype=torch.bool)
     for group in group_ids.unique():
-        rows = group_ids == group
+        rows = (group_ids == group) & mask.bool().any(1)
         if rows.sum() < 2:
             continue
         members, credited = tokens[rows], mask[rows].bool()
@@ -106,7 +109,7 @@ def learning_tax(credits: Tensor, tokens: Tensor, mask: Tensor, group_ids: Tenso
 
 def _group(
     lengths: list[int], rewards: list[float], own_log_ratio: float, shared_log_ratio: float, seed: int, sampler_gap: float = 0.0,
-    versions: int = 1, prefix: int = 4, observations: list[tuple[int, int]] | None = None,
+    versions: int = 1, prefix: int = 4, observations: list[tuple[int, int]] | None = None, failed: tuple[int, ...] = (),
 ):
     """Two groups with a shared ``prefix``-token prefix, members of the given lengths, and log-probs to match.
 
@@ -115,7 +118,8 @@ def _group(
     members were sampled by that many weights versions in turn (member ``k`` by version
     ``k % versions``), each with its own gap, so at a shared position the sampler's log-prob differs
     between members. With ``observations``, member ``k`` is a multi-turn episode with the
-    environment's tokens at ``(start, length)`` = ``observations[k]``: in the context, out of the mask.
+    environment's tokens at ``(start, length)`` = ``observations[k]``: in the context, out of the mask. Member ``k`` of
+    ``failed`` is an episode that failed: its tokens in the context, none in the mask.
     """
     generator = torch.Generator().manual_seed(seed)
     rows, width = 2 * len(lengths), max(lengths)
@@ -126,6 +130,8 @@ def _group(
     mask = context.clone()
     for member, (start, length) in enumerate(observations or []):
         mask[member :: len(lengths), start : start + length] = 0
+    for member in failed:
+        mask[member :: len(lengths)] = 0
     old = -torch.rand(rows, width, generator=generator) * 2
     old[: len(lengths), :prefix], old[len(lengths) :, :prefix] = old[0, :prefix], old[len(lengths), :prefix]
     log_ratio = (torch.rand(rows, width, generator=generator) * 2 - 1) * own_log_ratio
@@ -162,6 +168,8 @@ SCENARIOS: dict[str, dict] = {
     "multi-turn, unequal lengths": dict(
         lengths=[10, 18, 12, 20], own_log_ratio=0.15, shared_log_ratio=0.1, observations=[(6, 2), (8, 4), (5, 3), (9, 5)]
     ),
+    # member 3 (reward 0) of each group failed: its row stays, inert; the group trains its other three members, off-policy
+    "failed episode, one member": dict(lengths=[6, 9, 12, 7], own_log_ratio=0.15, shared_log_ratio=0.1, failed=(3,)),
 }
 UNJUDGED = {"stale, two versions": "stale, one version"}
 """Scenarios reported but left out of the verdict, each with the judged scenario it differs from only in how the rollouts
@@ -219,12 +227,15 @@ def scenario_batch(objective: Objective, name: str) -> tuple[RolloutBatch, Tenso
     current log-probs."""
     tokens, mask, rewards, old, current, sampler, context = scenario_rollouts(name)
     prompt = torch.ones(len(tokens), 1, dtype=torch.long)
+    # the group rule: a failed episode's row is no member; advantages over the others, and it counts in no normaliser
+    members = mask.bool().any(1)
     batch = RolloutBatch(
         input_ids=torch.cat([prompt, tokens], 1), attention_mask=torch.cat([prompt, context], 1),
         completion_mask=mask, prompt_length=1, rewards=rewards.view(-1),
-        advantages=objective.advantages(rewards).view(-1), group_ids=torch.arange(2).repeat_interleave(rewards.shape[1]),
-        old_logprobs=old, ref_logprobs=old.clone(), sampler_logprobs=sampler, step_sequences=float(len(tokens)),
-        step_tokens=float(mask.sum()),
+        advantages=member_advantages(objective.advantages, rewards, members.view(rewards.shape)).view(-1),
+        group_ids=torch.arange(2).repeat_interleave(rewards.shape[1]), old_logprobs=old, ref_logprobs=old.clone(),
+        sampler_logprobs=sampler, failure=(~members).long() * (FAILURE_CAUSES.index("step_raised") + 1),
+        step_sequences=float(members.sum()), step_tokens=float(mask.sum()),
     )
     return batch, current
 

@@ -157,7 +157,8 @@ class GroupMin(MismatchCorrection):
 
     def __call__(self, log_ratio: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
         weights = self.correction.sequence_weights(log_ratio, mask)
-        return MinReplace()(weights, weights, group_ids).unsqueeze(1) * mask
+        # a row with no token to credit (a failed episode's) has weight 1 from no ratio at all: it takes no part
+        return MinReplace()(weights, weights, group_ids, members=mask.bool().any(1)).unsqueeze(1) * mask
 
 
 CORRECTIONS = {

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
-from lit_cancel.objectives.advantages import AdvantageEstimator, GroupNormalised
+from lit_cancel.objectives.advantages import AdvantageEstimator, GroupNormalised, member_advantages
 from lit_cancel.objectives.clipping import Clip, NoClip, SymmetricClip
 from lit_cancel.objectives.corrections import MismatchCorrection
-from lit_cancel.objectives.group_transforms import GroupTransform
+from lit_cancel.objectives.group_transforms import GroupTransform, transformed
 from lit_cancel.objectives.normalisers import Normaliser, SequenceMean
 from lit_cancel.objectives.trust_regions import TrustRegion
 
@@ -47,8 +47,11 @@ class Objective(ABC):
     kl_coef: float = 0.0
 
     @abstractmethod
-    def advantages(self, rewards: Tensor) -> Tensor:
-        """Advantages ``[num_groups, group_size]`` from rewards of the same shape."""
+    def advantages(self, rewards: Tensor, members: Tensor | None = None) -> Tensor:
+        """Advantages ``[num_groups, group_size]`` from rewards of the same shape, over each group's ``members`` (``[num_groups,
+        group_size]`` bool, every row when None; a failed episode's row is none), 0 for the other rows. A round calls it
+        through :func:`~lit_cancel.objectives.advantages.member_advantages`, which calls an objective of your own written
+        without ``members`` on each group's members alone where some rows are not."""
 
     @abstractmethod
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
@@ -115,6 +118,10 @@ class PolicyGradient(Objective):
     multiplies it likewise by a weight computed from the token ratios under stop-gradient (see
     :mod:`lit_cancel.objectives.trust_regions`); it is the off-policy bound of the clip-free DFPO estimator.
 
+    A row with no token in its completion mask (a failed episode's, :mod:`lit_cancel.rounds.failures`) gets no credit and
+    no loss: its ratios and normaliser are finite (a sequence ratio of no token is 1), and a group transform takes only
+    the rows with a token to credit as the group's members.
+
     Args:
         advantage: advantage estimator; :class:`GroupNormalised` when None.
         ratio: ``"token"`` or ``"sequence"`` (the length-normalised sequence ratio, GSPO).
@@ -158,8 +165,8 @@ class PolicyGradient(Objective):
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.correction, self.trust_region = correction, trust_region
 
-    def advantages(self, rewards: Tensor) -> Tensor:
-        return self.advantage(rewards)
+    def advantages(self, rewards: Tensor, members: Tensor | None = None) -> Tensor:
+        return member_advantages(self.advantage, rewards, members)
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
         check_step_counts(type(self).__name__, batch)
@@ -221,8 +228,10 @@ class PolicyGradient(Objective):
         advantages = batch.advantages.to(logprobs.dtype).unsqueeze(1)
         zeros, tokens = torch.zeros_like(mask), mask.sum().clamp(min=1)
         if self.group_transform is not None:
-            transformed = self.group_transform(weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype), batch.group_ids)
-            credits = transformed.unsqueeze(1) * advantages * policy_n
+            # a row with no token to credit (a failed episode's) has a weight of no ratio at all: it is no member
+            weights = transformed(self.group_transform, weight.detach().squeeze(1), batch.advantages.to(logprobs.dtype),
+                                  batch.group_ids, members=mask.bool().any(1))
+            credits = weights.unsqueeze(1) * advantages * policy_n
             # value w~ A / N at the current point, gradient w~ A grad logp / N
             loss = -(credits * (logprobs - logprobs.detach() + 1)).sum()
             clipped_low, clipped_high = zeros, zeros

@@ -57,7 +57,7 @@ class GroupRatioDrop(_RatioRange):
     def __call__(self, log_ratio: Tensor, mask: Tensor, batch: RolloutBatch) -> Tensor:
         inside = self.inside((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).to(mask.dtype)
         # the group keeps its credit only when every member is inside: the group's smallest value, DFPO's min-replace
-        kept = MinReplace()(inside, batch.advantages, batch.group_ids)
+        kept = MinReplace()(inside, batch.advantages, batch.group_ids, members=mask.bool().any(1))
         return kept.unsqueeze(1) * mask
 
 

@@ -143,12 +143,15 @@ def micro_batches(train: RolloutBatch, steps: list[Tensor], stats: dict[str, flo
 
     ``step_sequences`` and ``step_tokens`` count the whole step over all ``world`` processes, divided by
     the number of micro-batches that Lightning and DDP average over, so that normalising by
-    them gives the same gradient however the step is split. The first micro-batch of each step
-    carries the round's ``stats`` and the step's own, everything the step logs of them.
+    them gives the same gradient however the step is split. A failed episode's row (inert, no token to credit) counts in
+    neither; a step of nothing but such rows counts one of each, which no credit is divided by. The first micro-batch of
+    each step carries the round's ``stats`` and the step's own, everything the step logs of them.
     """
     device = train.input_ids.device
-    tokens = torch.stack([train.completion_mask[rows.to(device)].sum() for rows in steps]).float()
-    tokens = sum_over_processes(tokens)
+    trained = ~train.failed
+    counts = torch.stack([torch.stack([train.completion_mask[rows.to(device)].sum(), trained[rows.to(device)].sum()])
+                          for rows in steps]).float()
+    tokens, sequences = sum_over_processes(counts).clamp(min=1).unbind(1)
     batches = []
     for step, rows in enumerate(steps):
         signed = train.advantages[rows.to(device)] != 0
@@ -157,7 +160,7 @@ def micro_batches(train: RolloutBatch, steps: list[Tensor], stats: dict[str, flo
             step_stats["batch/pos_share"] = ((train.advantages[rows.to(device)] > 0).sum() / signed.sum()).item()
         for micro, micro_rows in enumerate(rows.chunk(accumulation)):
             batch = train.select(micro_rows.to(device))
-            batch.step_sequences = len(rows) / accumulation
+            batch.step_sequences = float(sequences[step]) / (world * accumulation)
             batch.step_tokens = float(tokens[step]) / (world * accumulation)
             batch.stats = {**stats, **step_stats} if micro == 0 else {}
             batches.append(batch)

@@ -24,6 +24,7 @@ from lit_cancel.engines import SampleRequest
 from lit_cancel.engines.base import in_background
 from lit_cancel.rounds.advantages import advantaged_rows
 from lit_cancel.rounds.draw import draw_indices, record_names
+from lit_cancel.rounds.failures import FailedEpisodes, FailureBudget, FailureCount, varied_groups
 from lit_cancel.rounds.sample import AheadPolicy, RolloutPolicy, encode_prompts, named_rollout, sample_groups
 from lit_cancel.rounds.score import score_groups
 from lit_cancel.rounds.staleness import Staleness
@@ -67,15 +68,19 @@ class RolloutProducer:
         seed: seed of the prompt order and of the sampling.
         with_old_logprobs: record the log-probs of the policy that sampled the rollouts, which the objective needs where
             a round's steps go off-policy (several steps a round, or rollouts that wait for a later round).
+        budget: how many failed episodes (an agent's, :mod:`lit_cancel.rounds.failures`) the run accepts; none is
+            refused when None.
 
-    The counter :attr:`prompt_draws` (draws made so far) is the state a resumed run restores.
+    The counter :attr:`prompt_draws` (draws made so far) and the budget's bad rounds in a row are the state a resumed run
+    restores.
     """
 
     def __init__(self, task: Task, prompts_per_round: int, group_size: int, steps_per_round: int, dynamic_sampling: bool = False,
-                 max_prompt_draws: int = 4, seed: int = 0, with_old_logprobs: bool = False) -> None:
+                 max_prompt_draws: int = 4, seed: int = 0, with_old_logprobs: bool = False,
+                 budget: FailureBudget | None = None) -> None:
         self.task, self.prompts_per_round, self.group_size = task, prompts_per_round, group_size
         self.steps_per_round, self.dynamic_sampling, self.max_prompt_draws = steps_per_round, dynamic_sampling, max_prompt_draws
-        self.seed, self.with_old_logprobs = seed, with_old_logprobs
+        self.seed, self.with_old_logprobs, self.budget = seed, with_old_logprobs, budget
         self.prompt_draws = 0
         # draws whose rollouts a task of several engine calls (an agent's episodes) runs ahead, in the background
         self.ahead: dict[int, Future] = {}
@@ -98,16 +103,20 @@ class RolloutProducer:
 
     def sample_round(self, policy: RolloutPolicy, processes: Processes, round_index: int) -> tuple[RolloutBatch, dict[str, float]]:
         """This process's groups of round ``round_index``, after dynamic sampling when it is on, and the round's
-        statistics (``rollout/...``, ``perf/...``)."""
+        statistics (``rollout/...``, ``perf/...``; an agent task's ``rollout/failed_episodes`` too).
+
+        Raises :class:`~lit_cancel.rounds.failures.FailedEpisodes` where the round spends the failure budget; the draws
+        and the budget are then as they were before the round, so a checkpoint written on it samples the round again."""
         groups_needed = self.prompts_per_round // processes.world
         staleness = Staleness(policy.engine, self.steps_per_round)
         informative, uninformative, seconds, sync_seconds, engine_stats = [], [], 0.0, 0.0, {}
+        first_draw, failures = self.prompt_draws, FailureCount()
         for _ in range(self.max_prompt_draws if self.dynamic_sampling else 1):
-            draw, spent, synced, drawn_stats = self.sample_draw(policy, processes, round_index, staleness)
+            draw, spent, synced, drawn_stats = self.sample_draw(policy, processes, round_index, staleness, failures)
             seconds, sync_seconds = seconds + spent, sync_seconds + synced
             engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in drawn_stats.items()}
             flat = draw.rewards.view(-1, self.group_size)
-            varied = (flat != flat[:, :1]).any(1).repeat_interleave(self.group_size)
+            varied = varied_groups(flat, (~draw.failed).view(-1, self.group_size)).repeat_interleave(self.group_size)
             informative.append(draw.select(torch.nonzero(varied).squeeze(1)))
             uninformative.append(draw.select(torch.nonzero(~varied).squeeze(1)))
             if not self.dynamic_sampling:
@@ -121,15 +130,20 @@ class RolloutProducer:
         kept = sampled.select(torch.arange(rows, device=sampled.input_ids.device))
         stats = round_stats(sampled, rows, self.group_size, seconds, sync_seconds, policy.stop_token_ids)
         stats |= engine_stats | staleness.check(kept, processes.step())
+        if not self.task.rollout_in_one_call:  # an agent's episodes, which may fail
+            stats |= failures.stats("rollout/failed_episodes")
+            if self.budget is not None and (stop := self.budget.judge(failures.summed(processes.sum, kept.input_ids.device))):
+                self.prompt_draws, self.budget.bad_rounds = first_draw, self.budget.bad_rounds - 1
+                raise FailedEpisodes(stop)
         self.cannot_learn.warn(policy.policy_weights().model.parameters(), policy.sampling_options().max_new_tokens, stats,
                                round_index + 1)
         return kept, stats
 
-    def sample_draw(self, policy: RolloutPolicy, processes: Processes, round_index: int,
-                    staleness: Staleness) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+    def sample_draw(self, policy: RolloutPolicy, processes: Processes, round_index: int, staleness: Staleness,
+                    failures: FailureCount | None = None) -> tuple[RolloutBatch, float, float, dict[str, float]]:
         """Runs the next draw of prompts through the stages (draw, sample, score, advantages); returns its rows, the seconds
-        spent sampling and syncing the engine, and the engine's statistics. An engine that samples ahead is first asked
-        for the draws after it."""
+        spent sampling and syncing the engine, and the engine's statistics; counts its failed episodes in ``failures``.
+        An engine that samples ahead is first asked for the draws after it."""
         draw = self.prompt_draws
         # the engine gets the weights of this round before draws wait for them
         ahead, synced = self.ahead.pop(draw, None), 0.0
@@ -142,6 +156,8 @@ class RolloutProducer:
         rollout = named_rollout(self.task.rollout, record_names(self.task, "train", indices))
         generation, seconds = sample_groups(policy, rollout, records, self.group_size, self.seed_of(processes.rank, draw),
                                             sampled_ahead=ahead)
+        if failures is not None:
+            failures.add(generation.failures or [None] * len(generation.texts))
         rewards, correct = score_groups(self.task, records, self.group_size, generation)
         batch = advantaged_rows(policy, generation, rewards, correct, self.group_size,
                                 first_group=(draw * processes.world + processes.rank) * len(records), round_index=round_index,

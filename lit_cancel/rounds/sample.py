@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from lit_cancel.engines import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.host_memory import release_free_heap
 from lit_cancel.objectives import Objective
+from lit_cancel.rounds.failures import Failure
 from lit_cancel.sharding import ModelRoot, gathered
 
 
@@ -55,6 +56,8 @@ class Generation:
         stats: the engine's own ``rollout/...`` and ``perf/...`` statistics of the call.
         rewards: ``[B * n]`` rewards the rollouts already have (an agent's environment scored its episode), NaN where
             the task's reward scores the text; None when none has one.
+        failures: ``[B * n]`` why each agent's episode failed, None where it ran (:mod:`lit_cancel.rounds.failures`); a
+            failed row has no policy token in ``completion_mask``. None for rollouts that cannot fail (single completions).
     """
 
     input_ids: Tensor
@@ -67,6 +70,7 @@ class Generation:
     sampler_steps: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
     rewards: Tensor | None = None
+    failures: list[Failure | None] | None = None
 
     def to(self, device: torch.device) -> "Generation":
         """The same completions with their tensors on ``device``."""

@@ -111,6 +111,11 @@ def check_reward(task: Task) -> None:
 
 def score_groups(task: Task, records: list[Record], group_size: int, generation: Generation) -> tuple[Tensor, Tensor]:
     """``(rewards, correct)`` of ``generation``'s rows, ``group_size`` completions of each of ``records`` in turn: the
-    rewards by :func:`score` (those the rollouts already have kept), correctness by :func:`correctness`."""
+    rewards by :func:`score` (those the rollouts already have kept), correctness by :func:`correctness`. A failed episode's
+    row (``generation.failures``) is not scored: it keeps the reward its rollout has (0) and its correctness is NaN."""
     repeated = [record for record in records for _ in range(group_size)]
-    return score(task, repeated, generation.texts, generation.rewards), correctness(task, repeated, generation.texts)
+    ran = [row for row, failure in enumerate(generation.failures or [None] * len(repeated)) if failure is None]
+    correct = torch.full((len(repeated),), math.nan)
+    if ran:
+        correct[ran] = correctness(task, [repeated[row] for row in ran], [generation.texts[row] for row in ran])
+    return score(task, repeated, generation.texts, generation.rewards), correct

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.rounds.failures import varied_groups
 from lit_cancel.sharding import total_norm
 
 
@@ -24,8 +25,14 @@ def round_stats(
     no rollout is left out: ``rollout/reward_truncated`` of a round without a cut completion,
     ``rollout/reward_finished`` of one where every completion was cut, ``rollout/reward_correct_corr``
     of one whose rewards or correctness are all equal or whose task cannot tell correctness.
+
+    A failed episode's row (inert, :mod:`lit_cancel.rounds.failures`) is left out of every statistic of the rollouts
+    (rewards, accuracy, lengths, cuts), unless every row failed, and a group without two members that ran has no reward
+    difference; the failures themselves are counted apart (``rollout/failed_episodes``).
     """
-    rewards = sampled.rewards.view(-1, group_size)
+    ran = ~sampled.failed
+    # a round of nothing but failed episodes: its rows, rewards 0, stand in so that every statistic has a value
+    counted = ran if ran.any() else torch.ones_like(ran)
     flat = sampled.rewards.float()
     lengths = sampled.completion_mask.sum(1).float()
     completions = sampled.input_ids[:, sampled.prompt_length :]
@@ -36,12 +43,14 @@ def round_stats(
     ended = (last >= 0) & torch.isin(completions.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1), stops)
     told = sampled.correct if sampled.correct is not None else torch.full_like(flat, math.nan)
     correct = torch.where(told.isnan(), (flat > 0).float(), told.float())
+    flat, lengths, ended, told, correct = flat[counted], lengths[counted], ended[counted], told[counted], correct[counted]
+    varied = varied_groups(sampled.rewards.view(-1, group_size), ran.view(-1, group_size))
     stats = {
-        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_mean": flat.mean().item(),
         "rollout/accuracy": correct.mean().item(),
         "rollout/completion_len": lengths.mean().item(),
         "rollout/frac_truncated": (~ended).float().mean().item(),
-        "rollout/frac_zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+        "rollout/frac_zero_std_groups": (~varied).float().mean().item(),
         "rollout/dropped_groups": float(len(sampled) - kept) / group_size,
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
         "perf/weight_sync_s": sync_seconds,
@@ -98,9 +107,13 @@ class CannotLearnWarnings:
             f"round {round_number}: every completion reached max_new_tokens={max_new_tokens} without an "
             f"end-of-sequence token, so every reward scores a cut-off answer; raise model.init_args.max_new_tokens {lasting}"
         )
+        failed = stats.get("rollout/failed_episodes", 0.0)
         no_signal = (
             f"round {round_number}: every group's rewards are equal (mean reward {stats['rollout/reward_mean']:g}), so every "
             f"advantage is 0 and the policy gets no learning signal; check the task's reward on the rollouts {lasting}"
+        ) if failed < 1 else (
+            f"round {round_number}: every episode failed (rollout/failed_episodes), so no episode trains; check the "
+            f"environment {lasting}"
         )
         conditions = {
             "truncated": truncated if stats["rollout/frac_truncated"] == 1 else None,

@@ -1,10 +1,10 @@
 """``LightningCLI`` with the project's modules and checks: what ``lit-cancel fit`` and ``lit-cancel validate`` run.
 
 A mistake found before training starts (an unknown option, a file that is missing or unreadable,
-a checkpoint of the wrong kind, sizes that do not fit, an environment that fails to build or fails in the validation
-before training) raises :class:`~lit_cancel.run.errors.ConfigError`; a reward or environment error, a run of non-finite
-steps or an I/O error during the run raises :class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint
-of the last good step.
+a checkpoint of the wrong kind, sizes that do not fit, an environment that fails to build, or whose episodes fail past
+``max_failed_share`` in the validation before training) raises :class:`~lit_cancel.run.errors.ConfigError`; a reward
+error, a failure budget spent (``max_failed_rounds`` bad rounds in a row), a run of non-finite steps or an I/O error
+during the run raises :class:`~lit_cancel.run.errors.RunError` naming the step and the checkpoint of the last good step.
 """
 
 import argparse
@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cancel.agents.environment import EnvironmentFailure
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.float32_products import emulates_bf16
+from lit_cancel.rounds.failures import FailedEpisodes
 from lit_cancel.rounds.score import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
 from lit_cancel.run.checks import check_checkpoint
@@ -35,7 +36,7 @@ from lit_cancel.sharding import check_strategy, shards
 # ckpt_path values that Lightning resolves itself rather than reading a path
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 # errors that stop a started run for a reason the user can act on; any other keeps its traceback
-_RUN_ERRORS = (RewardError, EnvironmentFailure, FloatingPointError, OSError)
+_RUN_ERRORS = (RewardError, EnvironmentFailure, FailedEpisodes, FloatingPointError, OSError)
 # argparse's own pattern misses exponents, so "--lr -1e-4" would read "-1e-4" as an option
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -144,7 +145,7 @@ class LitCancelCLI(LightningCLI):
         except _RUN_ERRORS as error:
             if logs := log_write_error(self.trainer, error):
                 raise logs from error
-            if isinstance(error, EnvironmentFailure) and subcommand == "validate":
+            if isinstance(error, EnvironmentFailure | FailedEpisodes) and subcommand == "validate":
                 raise ConfigError(str(error)) from error  # validate trains nothing: the environment is bad input
             raise RunError(error, self.trainer.global_step, last_checkpoint_written(self.trainer)) from error
 
@@ -231,7 +232,7 @@ class LitCancelCLI(LightningCLI):
         if ckpt_path is None:
             try:
                 self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-            except EnvironmentFailure as error:  # nothing has trained yet
+            except (EnvironmentFailure, FailedEpisodes) as error:  # nothing has trained yet
                 raise ConfigError(str(error)) from error
 
 

@@ -30,7 +30,7 @@ class ConfigError(Exception):
 
 
 class RunError(Exception):
-    """A reward error, a run of non-finite steps or an I/O error that stopped a run after it started.
+    """A reward error, a failure budget spent, a run of non-finite steps or an I/O error that stopped a run after it started.
 
     The message is the cause's; ``step`` is the optimizer steps done, ``checkpoint`` the path of the
     last checkpoint the run wrote (None when it wrote none).

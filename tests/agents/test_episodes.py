@@ -4,7 +4,7 @@ agreeing with what was sampled."""
 
 import math
 import random
-import re
+import threading
 
 import pytest
 import torch
@@ -14,7 +14,6 @@ from lit_cancel.agents import (
     AgentTask,
     ColonCalls,
     Environment,
-    EnvironmentFailure,
     EnvironmentTask,
     Observation,
     ToolAdditionTask,
@@ -26,6 +25,7 @@ from lit_cancel.agents.episodes import EpisodeLimits
 from lit_cancel.engines import Sampled
 from lit_cancel.hub import load_tokenizer
 from lit_cancel.rounds.draw import record_names
+from lit_cancel.rounds.failures import Failure
 from lit_cancel.rounds.sample import Generation, encode_prompts
 from lit_cancel.sft import SFTDataModule
 from lit_cancel.tasks import AdditionTask, MathWordTask
@@ -151,30 +151,23 @@ def test_limits_end_an_episode_at_its_turn_limit_a_turn_cut_at_its_token_limit_a
     assert generation.stats["rollout/frac_episode_cut"] == 1.0 and generation.stats["rollout/frac_truncated"] == 1.0
 
 
-def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_that_raises_names_turn_and_episode():
+def test_an_environment_without_a_reward_leaves_the_episode_to_the_task_and_one_that_raises_fails_its_episode():
     class Silent(Countdown):
         def reward(self):
             return None
 
     policy = ScriptedPolicy(lambda context: ("stop", True))
     generation, _ = run(policy, [{"prompt": "p:"}], environment=Silent)
-    assert math.isnan(generation.rewards.item())
-
-    class Broken(Countdown):
-        def step(self, action):
-            if self.turns == 1:
-                raise ZeroDivisionError("division by zero")
-            return super().step(action)
-
-    with pytest.raises(EnvironmentFailure, match=r"Broken.step raised at turn 2 of record 0: ZeroDivisionError"):
-        run(ScriptedPolicy(lambda context: ("go", True)), [{"prompt": "p:"}], environment=Broken)
+    assert math.isnan(generation.rewards.item()) and generation.failures == [None]
 
     class Unscored(Countdown):
         def reward(self):
             raise KeyError("score")
 
-    with pytest.raises(EnvironmentFailure, match=r"Unscored.reward raised on record 0: KeyError: 'score'"):
-        run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+    generation, _ = run(ScriptedPolicy(lambda context: ("stop", True)), [{"prompt": "p:"}], environment=Unscored)
+    assert generation.failures == [Failure("reward_raised", "Unscored.reward raised on record 0: KeyError: 'score'")]
+    # its row is inert: no policy token to credit, a reward of 0 that no task is asked for
+    assert generation.completion_mask.sum() == 0 and generation.rewards.tolist() == [0.0]
 
 
 def test_messages_name_a_record_by_its_split_its_index_and_where_the_task_read_it(gsm8k_file):
@@ -189,8 +182,75 @@ def test_messages_name_a_record_by_its_split_its_index_and_where_the_task_read_i
     policy = ScriptedPolicy(lambda context: ("stop", True))
     records = math.val_records()[1:]
     task = EnvironmentTask(math, environment=Secretive)
-    with pytest.raises(EnvironmentFailure, match=re.escape(f"Secretive.reset raised on {names[0]}: KeyError: 'secret'")):
-        task.rollout(policy, records, *encoded(policy.tokenizer, records), names=names)
+    generation = task.rollout(policy, records, *encoded(policy.tokenizer, records), names=names)
+    assert generation.failures == [Failure("reset_raised", f"Secretive.reset raised on {names[0]}: KeyError: 'secret'")]
+
+
+class FailsOn(Countdown):
+    """A countdown that fails as ``how`` says on the record whose prompt is ``"bad:"``, and runs on any other."""
+
+    how = "step raises"
+
+    def reset(self, record):
+        self.bad = record["prompt"] == "bad:"
+        if self.bad and self.how == "reset raises":
+            raise KeyError("secret")
+        if self.bad and self.how == "reset returns a number":
+            return 7
+        return super().reset(record)
+
+    def step(self, action):
+        if self.bad and self.turns == 1 and self.how == "step raises":
+            raise ZeroDivisionError("division by zero")
+        if self.bad and self.how == "step returns text":
+            return "no observation"
+        if self.bad and self.how == "step hangs":
+            threading.Event().wait()
+        return super().step(action)
+
+    def reward(self):
+        if self.bad and self.how == "reward is text":
+            return "1.0"
+        return super().reward()
+
+
+@pytest.mark.parametrize(("how", "cause", "message"), [
+    ("reset raises", "reset_raised", "FailsOn.reset raised on record 1: KeyError: 'secret'"),
+    ("reset returns a number", "reset_wrong_type", "FailsOn.reset returned int on record 1; it must return text or None"),
+    ("step raises", "step_raised", "FailsOn.step raised at turn 2 of record 1: ZeroDivisionError: division by zero"),
+    ("step returns text", "step_wrong_type", "FailsOn.step returned str at turn 1 of record 1; it must return an Observation"),
+    ("reward is text", "reward_wrong_type", "FailsOn.reward returned '1.0' (str), expected a finite number, on record 1"),
+    ("step hangs", "timeout", "FailsOn.step did not answer at turn 1 of record 1 within episode_timeout=0.5 s (all of an "
+                              "episode's environment calls)"),
+])
+def test_an_episode_whose_environment_fails_is_marked_with_its_cause_and_the_others_run_on(monkeypatch, how, cause, message):
+    monkeypatch.setattr(FailsOn, "how", how)
+    turns = iter(["go", "stop"] * 4)
+    policy = ScriptedPolicy(lambda context: (next(turns) if "bad:" in context else "stop", True))
+    limits = EpisodeLimits(max_turns=4, max_episode_tokens=64, episode_timeout=0.5 if how == "step hangs" else None)
+    generation, _ = run(policy, [{"prompt": "good:"}, {"prompt": "bad:"}, {"prompt": "fine:"}], limits, environment=FailsOn)
+    assert generation.failures == [None, Failure(cause, message), None]
+    # the failed row keeps what it sampled in its context, but has no policy token to credit and a reward no task is asked for
+    assert generation.completion_mask[1].sum() == 0 and generation.rewards[1] == 0
+    assert (generation.completion_mask[[0, 2]].sum(1) > 0).all() and generation.rewards[[0, 2]].tolist() == [1.0, 1.0]
+
+
+def test_a_factory_that_raises_mid_run_fails_its_episode_and_an_episode_timeout_must_be_positive():
+    made = []
+
+    def flaky() -> Environment:
+        made.append(True)
+        if len(made) == 2:
+            raise OSError("sandbox unreachable")
+        return Countdown()
+
+    policy = ScriptedPolicy(lambda context: ("stop", True))
+    records = [{"prompt": "a:"}, {"prompt": "b:"}]
+    generation = run_episodes(policy, flaky, LIMITS, records, *encoded(policy.tokenizer, records), names=["train record 4", "train record 9"])
+    assert generation.failures == [None, Failure("factory_raised", "the environment factory flaky raised for train record 9: "
+                                                                   "OSError: sandbox unreachable")]
+    with pytest.raises(ValueError, match="episode_timeout must be > 0 seconds or None, got 0"):
+        EpisodeLimits(episode_timeout=0)
 
 
 def test_a_round_counts_tool_outputs_cut_or_not_utf8_apart_from_failed_calls():

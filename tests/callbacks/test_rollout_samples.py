@@ -14,7 +14,7 @@ from tensorboard.plugin_util import markdown_to_safe_html
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_cancel import AdditionTask, RLModule, RolloutDataModule
+from lit_cancel import AdditionTask, RLModule, RolloutBatch, RolloutDataModule
 from lit_cancel.tokenizer import build_char_tokenizer
 
 TASK = AdditionTask(num_digits=3, train_size=64, val_size=8, seed=0)
@@ -196,3 +196,16 @@ def test_a_completion_without_an_attention_mask_or_with_one_over_its_padding_is_
     without = {key: value for key, value in batch.items() if key != "attention_mask"}
     assert table_rows(samples.table(tokenizer, {}, batch))[1][1] == "42"  # padding decodes to nothing: no empty ⟦env: ⟧
     assert [row[1] for row in table_rows(samples.table(tokenizer, {}, without))] == ["5075", "42"]
+
+
+def test_a_failed_episode_says_it_failed_and_why_with_what_its_context_holds():
+    samples, tokenizer = RolloutSamplesLogger(), build_char_tokenizer()
+    batch = episode_batch()
+    batch["completion_mask"][0] = 0  # a failed episode's row has no policy token to credit
+    batch["failures"] = ["step_raised", None]
+    rows = table_rows(samples.table(tokenizer, {}, batch))
+    assert [row[1] for row in rows] == ["⟦failed: step_raised⟧50higher75", "42"]
+    # lit_cancel's batch says why by its failure codes
+    assert RolloutBatch(**{key: batch[key] for key in ("input_ids", "completion_mask", "prompt_length", "rewards", "advantages")},
+                        attention_mask=batch["attention_mask"], group_ids=torch.zeros(2), failure=torch.tensor([5, 0])
+                        ).failures == ["step_raised", None]

@@ -296,7 +296,8 @@ def test_quickstart_run_folder(tmp_path, monkeypatch, capsys):
     log_dir = Path(run.trainer.logger.log_dir)
     history = read_run(tmp_path)  # the run's folder is found below save_dir
     assert history.framework == "lit_cancel"
-    assert history.settings == {"temperature": 1.0, "max_new_tokens": 12, "kl_coef": 0.0}  # no engine: no max_staleness
+    # no engine: no max_staleness; the failure budget of agent episodes is every RolloutDataModule's option
+    assert history.settings == {"temperature": 1.0, "max_new_tokens": 12, "kl_coef": 0.0, "max_failed_share": 0.25}
     assert history.steps("lr") == (0, 1) and history.values("lr") == pytest.approx([2e-4] * 2)  # from lr-AdamW
     assert history.steps("val/accuracy") == (0, 2)  # before training (its own event file) and after step 2
     events = EventAccumulator(str(log_dir))

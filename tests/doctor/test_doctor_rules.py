@@ -438,3 +438,45 @@ def test_a_finished_agent_run_s_limits_are_read_from_its_config(tmp_path):
     assert history.settings == {"max_turns": 6.0, "max_episode_tokens": 1024.0}  # max_turn_tokens unset: the module's
     (finding,) = diagnose(history)
     assert finding.rule == "turn_limit" and finding.remedy.startswith("raise data.init_args.task.init_args.max_turns (now 6) to about 12")
+
+
+def test_a_rising_share_of_failed_episodes_is_named_with_its_most_frequent_cause_and_the_budget():
+    rising = healthy_tool_agent() | {
+        "rollout/failed_episodes": series(lambda s: 0.36 * s / STEPS),
+        "rollout/failed_episodes/step_raised": series(lambda s: 0.24 * s / STEPS),
+        "rollout/failed_episodes/timeout": series(lambda s: 0.12 * s / STEPS),
+    }
+    (finding,) = found(rising, **AGENT_SETTINGS, max_failed_share=0.25)
+    assert finding.rule == "failing_episodes" and finding.severity == "severe"
+    assert finding.cause.startswith("A rising share of episodes fails")
+    assert finding.evidence == ("rollout/failed_episodes rose from 0.05 to 0.32 of the episodes by steps 46-60 (threshold 0.05, "
+                                "rising 2x); most often step_raised (rollout/failed_episodes/step_raised averages 0.21).")
+    assert "⟦failed: CAUSE⟧" in finding.remedy and "episode_timeout" not in finding.remedy
+    assert finding.remedy.endswith("the run stops where more than data.init_args.max_failed_share (now 0.25) of a round's "
+                                   "episodes fail in data.init_args.max_failed_rounds rounds in a row.")
+    # a rise that stays small warns; where the environment times out most, the remedy names episode_timeout
+    slow = healthy_tool_agent() | {"rollout/failed_episodes": series(lambda s: 0.1 * s / STEPS),
+                                   "rollout/failed_episodes/timeout": series(lambda s: 0.1 * s / STEPS)}
+    (finding,) = found(slow, **AGENT_SETTINGS)
+    assert finding.severity == "warning" and "raise data.init_args.task.init_args.episode_timeout" in finding.remedy
+
+
+@pytest.mark.parametrize(("share", "expected"), [(0.03, []), (0.08, []), (0.12, ["failing_episodes"])])
+def test_a_steady_share_of_failed_episodes_is_named_only_from_0_1(share, expected):
+    steady = healthy_tool_agent() | {"rollout/failed_episodes": series(lambda s: share)}
+    findings = found(steady, **AGENT_SETTINGS)
+    assert rules_of(findings) == expected
+    if expected:
+        assert findings[0].cause.startswith("A steady share") and "averages 0.12 of the episodes over steps 46-60" in findings[0].evidence
+
+
+def test_a_finished_agent_run_s_failure_budget_is_read_from_its_config(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(12):
+        writer.add_scalar("rollout/failed_episodes", 0.02 * step, step)
+    writer.close()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"data": {"init_args": {"max_failed_share": 0.3}}}))
+    history = read_run(tmp_path)
+    assert history.settings == {"max_failed_share": 0.3}
+    (finding,) = diagnose(history)
+    assert finding.rule == "failing_episodes" and "data.init_args.max_failed_share (now 0.3)" in finding.remedy

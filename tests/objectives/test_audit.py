@@ -59,12 +59,24 @@ def test_shared_positions_are_the_groups_common_prefix():
         assert implementation(tokens, mask, groups).long().tolist() == expected
 
 
+def test_a_row_with_no_token_to_credit_is_no_member_of_its_group():
+    # group 0's row 1 failed with tokens in its context that differ at once; group 1 keeps one member that ran
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 9, 9, 9], [5, 6, 7, 1], [4, 4, 4, 4], [4, 4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    context = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    expected = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    for implementation in (shared_positions, tax_callback.shared_positions, token_flip.shared_positions):
+        assert implementation(tokens, mask, groups, context).long().tolist() == expected
+
+
 def test_the_callbacks_copies_compute_the_cores_numbers():
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         groups = torch.randint(0, 4, (12,), generator=generator)
         tokens = torch.randint(0, 3, (12, 6), generator=generator)  # 3 symbols: long shared prefixes are common
         mask = (torch.arange(6) < torch.randint(1, 7, (12, 1), generator=generator)).long()
+        mask[torch.rand(12, generator=generator) < 0.2] = 0  # failed episodes' rows
         credits = torch.randn(12, 6, generator=generator) * mask
         shared = shared_positions(tokens, mask, groups)
         assert torch.equal(tax_callback.shared_positions(tokens, mask, groups), shared)
@@ -98,6 +110,23 @@ def test_learning_tax_by_hand():
     credits = torch.tensor([[0.5, 0.5, 1.0], [-0.5, -0.25, -1.0]])
     assert learning_tax(credits, tokens, mask, groups) == pytest.approx(0.25 / 3.75)
     assert learning_tax(torch.zeros(2, 3), tokens, mask, groups) == 0.0
+
+
+def test_a_group_with_a_failed_episode_trains_its_other_members_and_dfpo_still_cancels():
+    name = "failed episode, one member"
+    _, mask, _, _, _, _, context = scenario_rollouts(name)
+    assert (mask[[3, 7]] == 0).all() and (context[[3, 7]].sum(1) == 7).all()  # its tokens in the context, none credited
+    for preset in ("DFPOMin", "DFPOOrth", "DFPOMinTR", "DrGRPO", "DAPO", "RLOO"):
+        assert abs(audit(PRESETS[preset]())[name].policy_tax) < 1e-6, preset
+    # GRPO's 1/|y_i| still differs among the three members that train: the tax it pays anyway
+    assert audit(PRESETS["GRPO"]())[name].policy_tax == pytest.approx(0.029166, abs=1e-6)
+    # the rule against a zero-reward fallback: advantages over all four rows leave the members' sum at 1/2 a group
+    objective = DFPOMin()
+    batch, current = scenario_batch(objective, name)
+    rollouts = (batch.input_ids[:, 1:], batch.completion_mask, batch.group_ids, batch.attention_mask[:, 1:])
+    assert batch.advantages.view(2, 4)[:, :3].sum(1).abs().max() < 1e-6 and (batch.advantages.view(2, 4)[:, 3] == 0).all()
+    batch.advantages = objective.advantages(batch.rewards.view(2, 4)).view(-1) * batch.completion_mask.any(1)
+    assert learning_tax(credits(objective, current, batch)[1], *rollouts) > 0.1
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,16 @@ def test_without_correctness_accuracy_is_the_share_of_positive_rewards_and_no_co
 def test_no_correlation_when_the_reward_or_correctness_does_not_vary(rewards, correct):
     stats = stats_of(hand_batch(rewards, correct))
     assert "rollout/reward_correct_corr" not in stats and stats["rollout/accuracy"] == sum(correct) / 4
+
+
+def test_a_failed_episode_s_row_is_left_out_of_the_round_s_statistics():
+    batch = hand_batch([1.0, 0.0, 0.0, 0.25], correct=[1.0, NAN, 0.0, 1.0])
+    # row 1's episode failed: inert, no policy token; its group is left with one member that ran, so no reward difference
+    batch.completion_mask[1] = 0
+    batch.failure = torch.tensor([0, 5, 0, 0])
+    stats = stats_of(batch)
+    assert stats["rollout/reward_mean"] == pytest.approx((1.0 + 0.0 + 0.25) / 3)
+    assert stats["rollout/accuracy"] == pytest.approx(2 / 3)
+    assert stats["rollout/completion_len"] == pytest.approx((2 + 1 + 2) / 3)
+    assert stats["rollout/frac_truncated"] == pytest.approx(1 / 3)  # row 3; row 1 counted none
+    assert stats["rollout/frac_zero_std_groups"] == 0.5  # group 0 has one member that ran; group 1 differs

@@ -1,8 +1,9 @@
 """What ``lit-cancel`` says when a user's environment or its tools are wrong: one line naming the environment's class and
 method and the record by split and index, exit status 2 when found before training (a start-up check builds one
-environment; the validation before training runs the episodes), the step and checkpoint when a run that trained stops;
-and one line for an environment option that names nothing usable, a TRL reward function with the wrong signature or a
-TRL row whose prompt of chat messages no chat template renders."""
+environment; the validation before training runs the episodes, of which no more than ``max_failed_share`` may fail),
+the step and checkpoint when a run that trained stops (its failure budget spent); and one line for an environment option
+that names nothing usable, a TRL reward function with the wrong signature or a TRL row whose prompt of chat messages no
+chat template renders."""
 
 import json
 import re
@@ -15,6 +16,7 @@ from test_run_safety import console, saved_step
 
 from lit_cancel import AdditionTask
 from lit_cancel.agents import Environment, Observation, ToolEnvironment, calculate
+from lit_cancel.run.cli import run_cli
 
 ADDITION = {"num_digits": 5, "train_size": 8, "val_size": 4}
 # validation batches of 2: the third held-out record is the first of the second batch
@@ -96,15 +98,16 @@ class OneToolTwice(ToolEnvironment):
 
 
 class FailsInRound2(Environment):
-    """Its reset raises from the 5th episode on: round 1 (2 prompts x 2 episodes) trains step 1."""
+    """Its reset raises from the 5th episode on: round 1 (2 prompts x 2 episodes) trains step 1, every later round's
+    episodes all fail."""
 
     resets = 0
-    failed_on = None
+    failed_on: list[str] = []
 
     def reset(self, record):
         FailsInRound2.resets += 1
         if FailsInRound2.resets > 4:
-            FailsInRound2.failed_on = record["prompt"]
+            FailsInRound2.failed_on.append(record["prompt"])
             raise KeyError("secret")
         return None
 
@@ -125,23 +128,34 @@ def refusal(monkeypatch, capsys, *args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command", ["fit", "validate"])
-def test_an_environment_that_raises_in_the_validation_before_training_is_one_line_naming_its_method_and_record(
+def test_episodes_that_fail_past_the_budget_in_the_validation_before_training_are_one_line_naming_the_cause_and_record(
         tmp_path, monkeypatch, capsys, command):
     config = agent_config(tmp_path, {"environment": "test_agent_messages.ResetRaises"})
-    lines = refusal(monkeypatch, capsys, command, "--config", str(config))
-    assert lines[-2:] == [NOTHING_RUN, "error: ResetRaises.reset raised on val record 2: KeyError: 'secret'"]
+    lines = refusal(monkeypatch, capsys, command, "--config", str(config), "--data.init_args.max_failed_share=0.2")
+    # the third held-out record's greedy episode and its one sample, of 4 records' 8 episodes
+    assert lines[-2:] == [NOTHING_RUN, "error: 2 of 8 episodes of the validation failed (25%, more than "
+                          "data.init_args.max_failed_share=0.2), most often reset_raised (2 of them), e.g. ResetRaises.reset "
+                          "raised on val record 2: KeyError: 'secret'"]
+
+
+def test_episodes_that_fail_within_the_budget_are_counted_and_leave_the_accuracy_to_the_others(tmp_path):
+    config = agent_config(tmp_path, {"environment": "test_agent_messages.ResetRaises"})
+    cli = run_cli(["validate", "--config", str(config)])  # the default budget, 0.25, takes 2 of 8
+    assert cli.trainer.callback_metrics["val/failed_episodes"] == 0.25
 
 
 def test_a_step_that_returns_no_observation_is_one_line_naming_its_turn_and_record(tmp_path, monkeypatch, capsys):
     config = agent_config(tmp_path, {"environment": "test_agent_messages.StepReturnsInt"})
     lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
-    assert lines[-2:] == [NOTHING_RUN, "error: StepReturnsInt.step returned int at turn 1 of val record 0; it must return an Observation"]
+    assert lines[-2:] == [NOTHING_RUN, "error: 8 of 8 episodes of the validation failed (100%, more than "
+                          "data.init_args.max_failed_share=0.25), most often step_wrong_type (8 of them), e.g. "
+                          "StepReturnsInt.step returned int at turn 1 of val record 0; it must return an Observation"]
 
 
 def test_a_trl_environment_named_in_a_config_runs_and_its_failure_names_its_own_class(tmp_path, monkeypatch, capsys):
     config = agent_config(tmp_path, {"trl_environment": "test_agent_messages.TRLCounter"})
-    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config))
-    assert lines[-2:] == [NOTHING_RUN, "error: TRLCounter.reset raised on val record 2: KeyError: 'secret'"]
+    lines = refusal(monkeypatch, capsys, "fit", "--config", str(config), "--data.init_args.max_failed_share=0")
+    assert lines[-1].endswith("most often reset_raised (2 of them), e.g. TRLCounter.reset raised on val record 2: KeyError: 'secret'")
 
 
 @pytest.mark.parametrize(("environment", "message"), [
@@ -157,17 +171,25 @@ def test_a_tool_mistake_is_refused_at_start_up_before_anything_runs(tmp_path, mo
     assert re.fullmatch(f"error: the environment factory {message}.*", lines[-1]), lines[-1]
 
 
-def test_an_environment_failure_in_training_names_the_step_the_record_and_the_checkpoint_to_resume_from(
+def test_a_spent_failure_budget_stops_the_run_naming_the_step_the_cause_a_record_and_the_checkpoint_to_resume_from(
         tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(FailsInRound2, "resets", 0)
-    config = agent_config(tmp_path, {"environment": "test_agent_messages.FailsInRound2"}, max_steps=4, limit_val_batches=0)
-    status, lines = console(monkeypatch, capsys, "fit", "--config", str(config))
+    monkeypatch.setattr(FailsInRound2, "failed_on", [])
+    config = agent_config(tmp_path, {"environment": "test_agent_messages.FailsInRound2"}, max_steps=6, limit_val_batches=0)
+    status, lines = console(monkeypatch, capsys, "fit", "--config", str(config), "--data.init_args.max_failed_rounds=2")
     last_ckpt = tmp_path / "agent" / "version_0" / "checkpoints" / "last.ckpt"
     assert status == 1 and not any("Traceback" in line for line in lines)
-    index = [r["prompt"] for r in AdditionTask(**ADDITION).train_records()].index(FailsInRound2.failed_on)
-    assert lines[-3:] == [STOPPED_AT.format(1), f"error: FailsInRound2.reset raised on train record {index}: KeyError: 'secret'",
-                          f"the last good step is in {last_ckpt}"]
-    assert saved_step(last_ckpt) == 1
+    # rounds 2 and 3 fail every episode: round 2 trains step 2 on nothing, round 3 spends the budget before step 3
+    first_of_round_3 = FailsInRound2.failed_on[-4]
+    index = [r["prompt"] for r in AdditionTask(**ADDITION).train_records()].index(first_of_round_3)
+    assert lines[-3:] == [
+        STOPPED_AT.format(2),
+        "error: 2 rounds in a row had more than data.init_args.max_failed_share=0.25 of their episodes fail "
+        "(data.init_args.max_failed_rounds=2); in the last, 4 of 4 (100%), most often reset_raised (4 of them), e.g. "
+        f"FailsInRound2.reset raised on train record {index}: KeyError: 'secret'",
+        f"the last good step is in {last_ckpt}",
+    ]
+    assert saved_step(last_ckpt) == 2
 
 
 EXPECTED_ENVIRONMENT = ("expected the import path (module.Name) of a subclass of Environment or a function with the return "
