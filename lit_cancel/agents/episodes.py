@@ -72,7 +72,7 @@ class Episode:
     prompt: list[int]
     environment: Environment | None
     where: str
-    clock: EpisodeClock
+    clock: EpisodeClock = field(default_factory=EpisodeClock)
     tokens: list[int] = field(default_factory=list)
     from_policy: list[bool] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
