@@ -79,6 +79,39 @@ class _Placeholders(IterableDataset):
             yield _NextMiniBatch()
 
 
+def check_prompts_fit(task: Task, module: L.LightningModule, checked_room: int | None) -> int | None:
+    """Raises ValueError naming the longest prompt of ``task`` when it leaves no room for ``module.max_new_tokens`` in the
+    context of the module's model (``max_position_embeddings``), or in its engine's ``max_model_len`` where that is
+    shorter (vLLM refuses a longer prompt and cuts a completion there). Returns the room every prompt fits in; where it
+    is ``checked_room``, what an earlier call returned, the prompts are not read again. A module without a context
+    limit or ``max_new_tokens`` is not checked."""
+    config = getattr(getattr(getattr(module, "policy", None), "model", None), "config", None)
+    limits = {
+        "the model's context: max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        f"the engine's {ENGINE_MAX_MODEL_LEN}": getattr(getattr(module, "engine", None), "max_model_len", None),
+    }
+    limits = {name: value for name, value in limits.items() if isinstance(value, int)}
+    max_new_tokens, name, option = task.new_tokens_limit(getattr(module, "max_new_tokens", None))
+    if not limits or not isinstance(max_new_tokens, int):
+        return checked_room
+    limit = min(limits, key=limits.__getitem__)
+    context = limits[limit]
+    room = context - max_new_tokens
+    if room == checked_room:
+        return room  # checked already (the CLI checks before its first validation, fit's setup again)
+    for split, records in (("train", task.train_records()), ("val", task.val_records())):
+        lengths = [len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"]]
+        longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+        if longest is not None and lengths[longest] > room:
+            raise_length = f", raise {ENGINE_MAX_MODEL_LEN}," if ENGINE_MAX_MODEL_LEN in limit else ","
+            raise ValueError(
+                f"the longest {split} prompt ({task.record_source(split, longest)}, {lengths[longest]} tokens) does not fit "
+                f"{limit}={context} minus {name}={max_new_tokens} leaves {room}; "
+                f"shorten or drop the long prompts{raise_length} or lower {option}"
+            )
+    return room
+
+
 class RolloutDataModule(TaskDataModule):
     """Rollout rounds: prompts -> ``rollout()`` -> rewards -> group advantages -> planned mini-batches.
 
@@ -190,35 +223,9 @@ class RolloutDataModule(TaskDataModule):
             self.producer.stop()
 
     def check_prompt_lengths(self, module: L.LightningModule) -> None:
-        """Raises ValueError naming the longest prompt when it leaves no room for ``module.max_new_tokens``
-        in the context of the module's model (``max_position_embeddings``), or in its engine's ``max_model_len``
-        where that is shorter (vLLM refuses a longer prompt and cuts a completion there); does nothing for a module
-        without them."""
-        config = getattr(getattr(getattr(module, "policy", None), "model", None), "config", None)
-        limits = {
-            "the model's context: max_position_embeddings": getattr(config, "max_position_embeddings", None),
-            f"the engine's {ENGINE_MAX_MODEL_LEN}": getattr(getattr(module, "engine", None), "max_model_len", None),
-        }
-        limits = {name: value for name, value in limits.items() if isinstance(value, int)}
-        max_new_tokens, name, option = self.task.new_tokens_limit(getattr(module, "max_new_tokens", None))
-        if not limits or not isinstance(max_new_tokens, int):
-            return
-        limit = min(limits, key=limits.__getitem__)
-        context = limits[limit]
-        room = context - max_new_tokens
-        if room == self.prompts_fit_in:
-            return  # checked already (the CLI checks before its first validation, fit's setup again)
-        for split, records in (("train", self.task.train_records()), ("val", self.task.val_records())):
-            lengths = [len(ids) for ids in module.tokenizer([r["prompt"] for r in records])["input_ids"]]
-            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-            if longest is not None and lengths[longest] > room:
-                raise_length = f", raise {ENGINE_MAX_MODEL_LEN}," if ENGINE_MAX_MODEL_LEN in limit else ","
-                raise ValueError(
-                    f"the longest {split} prompt ({self.task.record_source(split, longest)}, {lengths[longest]} tokens) does not fit "
-                    f"{limit}={context} minus {name}={max_new_tokens} leaves {room}; "
-                    f"shorten or drop the long prompts{raise_length} or lower {option}"
-                )
-        self.prompts_fit_in = room
+        """Raises ValueError naming the longest prompt that leaves no room for the module's completions
+        (:func:`check_prompts_fit`)."""
+        self.prompts_fit_in = check_prompts_fit(self.task, module, self.prompts_fit_in)
 
     def _objective(self) -> object:
         return getattr(self.trainer.lightning_module, "objective", None) if self.trainer is not None else None

@@ -36,7 +36,34 @@ from lit_cancel.logprobs import completion_logprobs
 from lit_cancel.objectives.audit import shared_positions
 
 
-class ForcedBranching(RolloutEngine):
+class WrappingEngine(RolloutEngine):
+    """An engine that samples through an inner one (:class:`~lit_cancel.DecodeLoop` when None) and passes the rest on:
+    its device context, weight pushes, release and checks. One that samples ahead of the trainer is refused (the
+    wrappers change how a round's calls are made, which needs the calls made on demand)."""
+
+    def __init__(self, engine: RolloutEngine | None):
+        self.engine = engine if engine is not None else DecodeLoop()
+        if self.engine.max_staleness > 0:
+            raise ValueError(f"{type(self).__name__}: the inner engine {type(self.engine).__name__} samples ahead (max_staleness > 0)")
+        self.supported_options = self.engine.supported_options
+        self.holds_weights = self.engine.holds_weights
+
+    @contextmanager
+    def context(self, device: torch.device) -> Iterator[None]:
+        with self.engine.context(device):
+            yield
+
+    def sync(self, policy: PolicyWeights) -> float:
+        return self.engine.sync(policy)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
+        self.engine.check(policy, options)
+
+
+class ForcedBranching(WrappingEngine):
     """One sampled preamble per prompt, then ``n`` continuations of it: groups that share ``preamble_tokens`` tokens.
 
     ``sample(prompts, n)`` makes two calls of the inner engine: one sample of ``preamble_tokens`` tokens
@@ -79,25 +106,10 @@ class ForcedBranching(RolloutEngine):
     ):
         if preamble_tokens < 1:
             raise ValueError(f"ForcedBranching: preamble_tokens must be >= 1, got {preamble_tokens}")
+        super().__init__(engine)
         self.preamble_tokens, self.branch_validation, self.measure = preamble_tokens, branch_validation, measure
-        self.engine = engine if engine is not None else DecodeLoop()
-        if self.engine.max_staleness > 0:
-            raise ValueError(f"ForcedBranching: the inner engine {type(self.engine).__name__} samples ahead (max_staleness > 0)")
-        self.supported_options = self.engine.supported_options
-        self.holds_weights = self.engine.holds_weights
         # how many sampled calls branched and how many went to the inner engine as they were (tests read them)
         self.branched_calls = self.plain_calls = 0
-
-    @contextmanager
-    def context(self, device: torch.device) -> Iterator[None]:
-        with self.engine.context(device):
-            yield
-
-    def sync(self, policy: PolicyWeights) -> float:
-        return self.engine.sync(policy)
-
-    def release(self) -> None:
-        self.engine.release()
 
     def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         if options is not None and self.preamble_tokens >= options.max_new_tokens:
@@ -105,7 +117,7 @@ class ForcedBranching(RolloutEngine):
                 f"model.init_args.engine.init_args.preamble_tokens: {self.preamble_tokens} leaves no room for a continuation "
                 f"within max_new_tokens {options.max_new_tokens}; make it smaller"
             )
-        self.engine.check(policy, options)
+        super().check(policy, options)
 
     def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         num_samples, options = request.num_samples, request.options
@@ -171,7 +183,7 @@ class ForcedBranching(RolloutEngine):
         return Sampled(sequences, logprobs, sync_seconds, None, stats)
 
 
-class ForcedFirstTurn(RolloutEngine):
+class ForcedFirstTurn(WrappingEngine):
     """One sampled first turn per group of agent episodes, given to all of them (E12): groups that agree on their first
     turn by construction.
 
@@ -196,30 +208,15 @@ class ForcedFirstTurn(RolloutEngine):
     def __init__(self, group_size: int = 8, engine: RolloutEngine | None = None):
         if group_size < 2:
             raise ValueError(f"ForcedFirstTurn: group_size must be >= 2, got {group_size}")
+        super().__init__(engine)
         self.group_size = group_size
-        self.engine = engine if engine is not None else DecodeLoop()
-        if self.engine.max_staleness > 0:
-            raise ValueError(f"ForcedFirstTurn: the inner engine {type(self.engine).__name__} samples ahead (max_staleness > 0)")
-        self.supported_options = self.engine.supported_options
-        self.holds_weights = self.engine.holds_weights
         self.first_turn_next = True
         # how many calls were forced and how many went to the inner engine as they were (tests read them)
         self.forced_calls = self.plain_calls = 0
 
-    @contextmanager
-    def context(self, device: torch.device) -> Iterator[None]:
-        with self.engine.context(device):
-            yield
-
-    def sync(self, policy: PolicyWeights) -> float:
-        return self.engine.sync(policy)
-
     def release(self) -> None:
         self.first_turn_next = True
-        self.engine.release()
-
-    def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
-        self.engine.check(policy, options)
+        super().release()
 
     def sample(self, policy: PolicyWeights, request: SampleRequest) -> Sampled:
         if request.validation or request.greedy or not self.first_turn_next:
