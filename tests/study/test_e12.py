@@ -14,12 +14,12 @@ import yaml
 from forced_branching import ForcedFirstTurn
 from lab import runs
 from lab.parts import FinalFirstTurn, first_turn_agreement, groups_ending_at_first_turn
+from test_e11 import ANSWER, ANSWER_MASK, CALL, CALL_MASK, Logged, episodes
 
 from lit_cancel import GRPO, RLModule, RolloutDataModule
 from lit_cancel.agents import ToolAdditionTask
 from lit_cancel.engines import RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.rounds.sample import encode_prompts
-from tests.study.test_e11 import ANSWER, ANSWER_MASK, CALL, CALL_MASK, Logged, episodes
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "benchmarks" / "study"
