@@ -77,9 +77,10 @@ class Environment(ABC):
 class EnvironmentFailure(RuntimeError):
     """An environment's factory, ``reset``, ``step`` or ``reward`` raised, answered with something else than it must, or
     ran past the episode's ``episode_timeout``: one line naming the environment, the method, the turn and the record
-    (``"val record 3"``); ``cause`` says which (one of :data:`~lit_cancel.rounds.failures.FAILURE_CAUSES`)."""
+    (``"val record 3"``); ``cause`` says which (one of :data:`~lit_cancel.rounds.failures.FAILURE_CAUSES`), None where
+    no episode fails by it (a task's demonstration that cannot be replayed against its environment)."""
 
-    def __init__(self, message: str, cause: str) -> None:
+    def __init__(self, message: str, cause: str | None = None) -> None:
         super().__init__(message)
         self.cause = cause
 
