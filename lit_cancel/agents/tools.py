@@ -61,6 +61,11 @@ class CallFormat(ABC):
     def render(self, results: list[ToolResult]) -> str:
         """The observation that shows ``results`` to the policy."""
 
+    def prose(self, text: str) -> str:
+        """What a turn that calls tools says besides its calls (an OpenAI reply's ``content``); nothing here, where a turn
+        with a call is the call."""
+        return ""
+
     def for_tools(self, schemas: list[dict]) -> "CallFormat":
         """This format for an environment whose tools have ``schemas`` (what :class:`ToolEnvironment` uses); itself
         where the calls name their arguments."""
@@ -97,6 +102,9 @@ class HermesCalls(CallFormat):
                 raise MalformedCall(f'the "arguments" of {call["name"]} must be a JSON object')
             calls.append(ToolCall(call["name"], arguments))
         return calls
+
+    def prose(self, text: str) -> str:
+        return self.CALL.sub("", text).strip()
 
     def render(self, results: list[ToolResult]) -> str:
         blocks = "".join(f"\n<tool_response>\n{result.text}\n</tool_response>" for result in results)

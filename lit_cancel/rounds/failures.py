@@ -20,7 +20,7 @@ from torch import Tensor
 # why an episode failed, as the per-cause series (rollout/failed_episodes/<cause>) and the messages name it
 FAILURE_CAUSES = (
     "factory_raised", "factory_wrong_type", "reset_raised", "reset_wrong_type", "step_raised", "step_wrong_type",
-    "reward_raised", "reward_wrong_type", "timeout",
+    "reward_raised", "reward_wrong_type", "timeout", "program_raised",
 )
 
 
