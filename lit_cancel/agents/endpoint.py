@@ -7,9 +7,9 @@ per run): a request without it is answered 401 and counted, so nobody else on th
 
 A request is read, checked and handed to its session (:class:`~lit_cancel.agents.sessions.ProgramSession`), which
 answers once the round's next engine call has sampled its turn; a bad request gets an OpenAI-style error (400, 404,
-409 or 413) that the program's client raises. Bounds: ``max_request_bytes`` per request body; ``n`` must be 1, and
-``stream`` is not served; ``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's
-``max_turn_tokens``.
+409 or 413) that the program's client raises. Bounds: ``max_request_bytes`` per request body; ``n`` must be 1;
+``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's ``max_turn_tokens``. ``stream: true`` is answered as server-sent events of the whole completion, sent once it is
+sampled (agent harnesses that always stream, verifiers' among them, read it as any stream).
 """
 
 import hmac
@@ -35,11 +35,13 @@ class EndpointError(Exception):
 @dataclass(frozen=True)
 class ChatRequest:
     """One checked ``/v1/chat/completions`` request: its messages (tool calls' arguments read into objects, as chat
-    templates render them), its tools' schemas, and the ``max_tokens`` it asks for (None: the task's limit)."""
+    templates render them), its tools' schemas, the ``max_tokens`` it asks for (None: the task's limit), and whether it
+    is answered as a stream of server-sent events."""
 
     messages: list[dict]
     tools: list[dict] | None
     max_tokens: int | None
+    stream: bool = False
 
 
 def checked_request(body: dict) -> ChatRequest:
@@ -52,8 +54,6 @@ def checked_request(body: dict) -> ChatRequest:
             raise EndpointError(400, f"messages[{index}] must be an object whose role is one of {', '.join(ROLES)}")
     if body.get("n", 1) != 1:
         raise EndpointError(400, f"n={body['n']!r}: each request samples one completion (n=1); run the program once per sample")
-    if body.get("stream"):
-        raise EndpointError(400, "stream=true is not served: ask for the whole completion")
     if body.get("stop"):
         raise EndpointError(400, "stop strings are not served: a turn ends at the model's stop token, as it is trained")
     tools = body.get("tools") or None
@@ -62,7 +62,7 @@ def checked_request(body: dict) -> ChatRequest:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise EndpointError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    return ChatRequest([with_read_arguments(message) for message in messages], tools, max_tokens)
+    return ChatRequest([with_read_arguments(message) for message in messages], tools, max_tokens, bool(body.get("stream")))
 
 
 def with_read_arguments(message: dict) -> dict:
@@ -81,6 +81,21 @@ def with_read_arguments(message: dict) -> dict:
                 pass
         read.append({**call, "function": function})
     return {**message, "tool_calls": read}
+
+
+def stream_events(completion: dict, usage: bool) -> bytes:
+    """``completion`` as the server-sent events of a streamed answer: one chunk with the whole message, one with the
+    finish reason, the usage where asked (``stream_options.include_usage``), then ``[DONE]``."""
+    choice = completion["choices"][0]
+    message = {key: value for key, value in choice["message"].items() if value is not None}
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+    head = {key: completion[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    chunks = [head | {"choices": [{"index": 0, "delta": message, "finish_reason": None}]},
+              head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
+    if usage:
+        chunks.append(head | {"choices": [], "usage": completion["usage"]})
+    return b"".join(f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks) + b"data: [DONE]\n\n"
 
 
 def completion_body(session: str, number: int, model: str, message: dict, finish_reason: str, prompt_tokens: int,
@@ -204,16 +219,23 @@ def handler_for(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
                     answer = endpoint.sessions.get(parts[1])
                 if answer is None:
                     raise EndpointError(404, f"no open session {parts[1]!r}: its episode is over")
-                self.send(200, answer(checked_request(body)))
+                request = checked_request(body)
+                completion = answer(request)
+                if request.stream:
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return self.send_bytes(200, stream_events(completion, usage), "text/event-stream")
+                self.send(200, completion)
             except json.JSONDecodeError as error:
                 self.send(400, error_body(f"the request body is not JSON: {error}"))
             except EndpointError as error:
                 self.send(error.status, error_body(str(error)))
 
         def send(self, status: int, body: dict, close: bool = False) -> None:
-            data = json.dumps(body).encode()
+            self.send_bytes(status, json.dumps(body).encode(), "application/json", close)
+
+        def send_bytes(self, status: int, data: bytes, content_type: str, close: bool = False) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             if close:
                 self.send_header("Connection", "close")

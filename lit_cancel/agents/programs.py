@@ -51,17 +51,26 @@ class ProgramLoop:
                              "(pip install -e \".[programs]\")") from None
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="lit-cancel-agent-programs").start()
+        # one connection pool for every program's client: a client of its own each would build an SSL context per
+        # episode; unbounded, since every running program holds a connection until the round's engine call answers it
+        self.http = asyncio.run_coroutine_threadsafe(self.pool(), self.loop).result()
+
+    async def pool(self) -> Any:
+        try:  # the HTTP library of the installed openai: httpx2 in its recent releases, httpx before
+            httpx = importlib.import_module("httpx2")
+        except ImportError:
+            httpx = importlib.import_module("httpx")
+        return self.openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                                                   timeout=httpx.Timeout(None))
 
     def start(self, program: Program, base_url: str, key: str, record: Record,
               done: Callable[[object, BaseException | None], None]) -> concurrent.futures.Future:
         """Runs ``program`` on ``record`` with a client of ``base_url``; ``done(result, error)`` when it ends."""
 
         async def run() -> object:
-            client = self.openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
-            try:
-                return await program(client, record)
-            finally:
-                await client.close()
+            # no time limit on a request: it waits for the round's engine call, and episode_timeout bounds the program
+            client = self.openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self.http, timeout=None)
+            return await program(client, record)
 
         future = asyncio.run_coroutine_threadsafe(run(), self.loop)
 
@@ -261,8 +270,9 @@ def first_requests(program: Program, endpoint: ChatEndpoint, loop: ProgramLoop, 
             futures.append((name, loop.start(program, endpoint.base_url(name), endpoint.key, record, lambda *_: None)))
         deadline = time.monotonic() + timeout
         for reader, (name, future), where in zip(readers, futures, names[start:start + chunk], strict=True):
+            # the program ends at the refusal of its first request (or it catches it: then its request was read)
             concurrent.futures.wait([future], timeout=max(deadline - time.monotonic(), 0.0))
-            asked = reader.asked.wait(timeout=0.0) or reader.asked.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            asked = reader.asked.is_set()
             future.cancel()
             endpoint.close(name)
             if asked:

@@ -150,6 +150,7 @@ class ProgramSession:
             found = []
         # the reply as the program will send it back, its calls' arguments read into objects as templates render them
         self.segment.reply = {"role": "assistant", "content": text}
+        episode.tool_calls += len(found)
         if found:
             self.segment.reply = {"role": "assistant", "content": self.calls.prose(text) or None, "tool_calls": [
                 {"id": f"call_{self.name}_{episode.turns}_{index}", "type": "function",
