@@ -97,6 +97,25 @@ class Task(ABC):
         return policy.rollout(input_ids, attention_mask, num_samples, greedy)
 
 
+class WrappingTask(Task):
+    """A task that runs another task's records in another way (an environment's episodes, an agent program's): its
+    ``reward``, ``correct``, ``solutions`` and ``record_source`` are those of the wrapped ``task``."""
+
+    task: Task
+
+    def reward(self, record: Record, completion: str) -> float:
+        return self.task.reward(record, completion)
+
+    def correct(self, record: Record, completion: str) -> bool | None:
+        return self.task.correct(record, completion)
+
+    def solutions(self, record: Record) -> list[str]:
+        return self.task.solutions(record)
+
+    def record_source(self, split: str, index: int) -> str:
+        return self.task.record_source(split, index)
+
+
 class AdditionTask(Task):
     """Multi-digit addition with a written, digit-by-digit scratchpad.
 

@@ -22,21 +22,25 @@ def checksum_reward(record: dict, completion: str) -> float:
     return float(sum(map(ord, completion)) % 7)
 
 
-def agent_episodes(module, seed: int = 0):
+def agent_episodes(module, seed: int = 0, program: bool = False, greedy: bool = False):
     """Episodes of 4 ``ToolAdditionTask`` problems, 4 of each, through ``module``'s engine under ``torch.manual_seed(seed)``,
     checked as every engine must give them: some call the tool and then answer, and the tool's replies, which the policy
-    mask leaves out, carry no sampler log-prob."""
-    from lit_cancel.agents import ToolAdditionTask
+    mask leaves out, carry no sampler log-prob. ``program``: run by examples/agent_program's openai-SDK program through
+    the endpoint (:class:`~lit_cancel.agents.ProgramTask`) instead of the task's environment."""
+    from lit_cancel.agents import ColonCalls, ProgramTask, ToolAdditionTask
     from lit_cancel.rounds.sample import encode_prompts
 
     task = ToolAdditionTask(train_size=16, val_size=2)
+    if program:
+        task = ProgramTask(task, "calculator_agent.run", "embedded:tiny-agent", ColonCalls(), max_turns=3, max_turn_tokens=23,
+                           max_episode_tokens=138)
     records = task.train_records()[:4]
     encoded = encode_prompts(module.tokenizer, records)
     torch.manual_seed(seed)
-    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4)
+    generation = task.rollout(module, records, encoded["input_ids"], encoded["attention_mask"], num_samples=4, greedy=greedy)
     replies = generation.attention_mask[:, generation.prompt_length:].bool() & ~generation.completion_mask.bool()
     assert replies.any() and generation.stats["rollout/turns"] > 1
-    assert (generation.sampler_logprobs[replies] == 0).all()
+    assert generation.sampler_logprobs is None or (generation.sampler_logprobs[replies] == 0).all()
     return generation
 
 

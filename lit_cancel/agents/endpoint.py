@@ -8,8 +8,9 @@ per run): a request without it is answered 401 and counted, so nobody else on th
 A request is read, checked and handed to its session (:class:`~lit_cancel.agents.sessions.ProgramSession`), which
 answers once the round's next engine call has sampled its turn; a bad request gets an OpenAI-style error (400, 404,
 409 or 413) that the program's client raises. Bounds: ``max_request_bytes`` per request body; ``n`` must be 1;
-``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's ``max_turn_tokens``. ``stream: true`` is answered as server-sent events of the whole completion, sent once it is
-sampled (agent harnesses that always stream, verifiers' among them, read it as any stream).
+``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's ``max_turn_tokens``. ``stream: true`` is
+answered as server-sent events of the whole completion, sent once it is sampled (agent harnesses that always stream,
+verifiers' among them, read it as any stream).
 """
 
 import hmac

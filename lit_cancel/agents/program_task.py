@@ -12,10 +12,10 @@ from lit_cancel.agents.task import chat_tokenizer
 from lit_cancel.agents.tools import CallFormat, HermesCalls
 from lit_cancel.rounds.draw import record_names
 from lit_cancel.rounds.sample import Generation
-from lit_cancel.tasks import Record, Task
+from lit_cancel.tasks import Record, Task, WrappingTask
 
 
-class ProgramTask(Task):
+class ProgramTask(WrappingTask):
     """Any task's records, each episode run by an agent program that calls an OpenAI-style chat API.
 
     Args:
@@ -108,15 +108,3 @@ class ProgramTask(Task):
         """ValueError: a program's solutions are episodes, with what the program added to them."""
         raise ValueError("SolutionProbabilityDriftMonitor scores each solution as one completion, but a ProgramTask's are "
                          "episodes: leave the monitor out of an agent run, or give it probes=[...] of your own")
-
-    def reward(self, record: Record, completion: str) -> float:
-        return self.task.reward(record, completion)
-
-    def correct(self, record: Record, completion: str) -> bool | None:
-        return self.task.correct(record, completion)
-
-    def solutions(self, record: Record) -> list[str]:
-        return self.task.solutions(record)
-
-    def record_source(self, split: str, index: int) -> str:
-        return self.task.record_source(split, index)

@@ -23,7 +23,7 @@ from lit_cancel.hub import load_tokenizer
 from lit_cancel.rounds.draw import record_names
 from lit_cancel.rounds.sample import Generation
 from lit_cancel.rounds.score import RewardError
-from lit_cancel.tasks import DatasetTask, Record, Task
+from lit_cancel.tasks import DatasetTask, Record, Task, WrappingTask
 
 Demonstration = list[tuple[str, str]]
 
@@ -112,7 +112,7 @@ class AgentTask(Task):
                             greedy, names)
 
 
-class EnvironmentTask(AgentTask):
+class EnvironmentTask(AgentTask, WrappingTask):
     """Any task's records and reward, with episodes against an environment: how a TRL environment or your own runs.
 
     Args:
@@ -278,18 +278,6 @@ class EnvironmentTask(AgentTask):
             raise EnvironmentFailure(f"demonstration_turns {name} returned {turns!r} on {self.demonstrated(record)}; it must return "
                                      "the policy's turns, a non-empty list of texts")
         return list(turns)
-
-    def reward(self, record: Record, completion: str) -> float:
-        return self.task.reward(record, completion)
-
-    def correct(self, record: Record, completion: str) -> bool | None:
-        return self.task.correct(record, completion)
-
-    def solutions(self, record: Record) -> list[str]:
-        return self.task.solutions(record)
-
-    def record_source(self, split: str, index: int) -> str:
-        return self.task.record_source(split, index)
 
 
 def replayed(make_environment: Callable[[], Environment], record: Record, turns: list[str], max_turns: int,

@@ -3,7 +3,9 @@
 from functools import partial
 
 import lightning as L
+import pytest
 import torch
+from conftest import agent_episodes
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_cancel import GRPO, RLModule, RolloutDataModule
@@ -28,6 +30,19 @@ def test_greedy_episodes_on_hugging_face_generate_are_the_decode_loop_s_token_fo
     assert torch.equal(generated.attention_mask, looped.attention_mask)
     assert torch.equal(generated.completion_mask, looped.completion_mask)
     assert generated.texts == looped.texts
+
+
+@pytest.mark.parametrize("engine", [DecodeLoop, HFGenerate], ids=["decode loop", "generate"])
+def test_greedy_episodes_of_an_agent_program_are_its_environments_token_for_token(engine):
+    """The calculator as an openai-SDK program through the endpoint and as the task's environment: the same rows."""
+    module = RLModule("embedded:tiny-agent", max_new_tokens=23, engine=engine())
+    program, environment = (agent_episodes(module, program=program, greedy=True) for program in (True, False))
+    assert torch.equal(program.input_ids, environment.input_ids)
+    assert torch.equal(program.completion_mask, environment.completion_mask)
+    assert torch.equal(program.attention_mask, environment.attention_mask)
+    assert program.stats["rollout/tool_calls"] == environment.stats["rollout/tool_calls"] > 0
+    if engine is DecodeLoop:  # each request continued its session's rows from the kept cache
+        assert program.stats["perf/kv_reused_tokens"] > 0
 
 
 class Trained(L.Callback):

@@ -6,9 +6,11 @@ import json
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
+from test_docs import python_blocks
 from test_episodes import ScriptedPolicy
 
 from lit_cancel.agents import HermesCalls, ProgramTask, ToolAdditionTask
@@ -276,3 +278,9 @@ def test_the_task_reads_each_programs_first_request_as_its_records_prompt_and_na
         ProgramTask(ToolAdditionTask(), lambda client, record: 1.0, "embedded:tiny-agent")
     with pytest.raises(ValueError, match="program='no_such_module.run' cannot be imported"):
         ProgramTask(ToolAdditionTask(), "no_such_module.run", "embedded:tiny-agent")
+
+
+def test_the_program_in_the_docs_is_the_examples():
+    source = Path(calculator_agent.__file__).read_text()
+    block = python_blocks("docs/agents.md", "Agent programs")
+    assert block.strip() and block.strip() in source

@@ -485,6 +485,12 @@ def test_with_sleep_mode_an_agents_round_pushes_the_weights_once_and_sleeps_afte
     assert calls == [("wake_up", ["weights"]), "reload_weights", ("wake_up", ["kv_cache"])] + [("generate", None)] * turns + [("sleep", 2)]
 
 
+def test_an_agent_programs_episodes_run_through_vllm_with_the_samplers_log_probs_on_the_policys_tokens():
+    """examples/agent_program's openai-SDK program through the endpoint: its requests sampled by this engine."""
+    module = RLModule("embedded:tiny-agent", engine=VLLMEngine(kv_cache_memory_bytes=KV_CACHE), max_new_tokens=23)
+    assert mismatch(module, agent_episodes(module, program=True)) < TOLERANCE
+
+
 def test_agent_episodes_run_through_vllm_turn_by_turn_with_the_sampler_s_log_probs_on_the_policy_s_tokens():
     """Each turn is one request of token ids: the episode's rows carry vLLM's log-probs on the policy's tokens (equal to
     the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""

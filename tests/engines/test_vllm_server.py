@@ -455,6 +455,12 @@ def train_quickstart(config: str, tmp_path) -> tuple:
     return cli, process
 
 
+def test_an_agent_programs_episodes_run_on_a_server_with_the_samplers_log_probs_on_the_policys_tokens(server):
+    """examples/agent_program's openai-SDK program through the endpoint: its requests sampled by this engine."""
+    module = RLModule("embedded:tiny-agent", engine=VLLMServerEngine(urls=[server]), max_new_tokens=23)
+    assert mismatch(module, agent_episodes(module, program=True)) < TOLERANCE
+
+
 def test_agent_episodes_run_on_a_server_turn_by_turn_with_its_log_probs_on_the_policys_tokens(server):
     """Each turn is one request of token ids to the server: the episode's rows carry the server's log-probs on the policy's
     tokens (equal to the trainer's within the float32 tolerance) and 0 on the tool's replies, which the policy mask leaves out."""
