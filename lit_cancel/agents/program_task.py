@@ -10,6 +10,7 @@ from lit_cancel.agents.episodes import EpisodeLimits
 from lit_cancel.agents.programs import Program, ProgramLoop, checked_program, first_requests, run_programs
 from lit_cancel.agents.task import chat_tokenizer
 from lit_cancel.agents.tools import CallFormat, HermesCalls
+from lit_cancel.agents.trl_environment import rendered
 from lit_cancel.rounds.draw import record_names
 from lit_cancel.rounds.sample import Generation
 from lit_cancel.tasks import Record, Task, WrappingTask
@@ -74,14 +75,14 @@ class ProgramTask(WrappingTask):
 
     def prompted_records(self) -> dict[str, list[Record]]:
         """Both splits' records, each a new dict with the task's fields and, as its prompt, its program's first request
-        rendered by the chat template (read once, at start-up)."""
+        rendered by the chat template (read once, at start-up); the program is given each record as the task made it."""
         if not self.prompted:
             self.serve()
             timeout = self.limits.episode_timeout or 600.0
             for split, records in (("train", self.task.train_records()), ("val", self.task.val_records())):
                 names = record_names(self.task, split, range(len(records)))
                 prompts = first_requests(self.program, self.endpoint, self.loop, self.template, records, names, timeout)
-                self.prompted[split] = [{**record, "prompt": prompt} for record, prompt in zip(records, prompts, strict=True)]
+                self.prompted[split] = [rendered(record, prompt) for record, prompt in zip(records, prompts, strict=True)]
         return self.prompted
 
     def train_records(self) -> list[Record]:

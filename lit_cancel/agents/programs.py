@@ -33,6 +33,7 @@ from lit_cancel.agents.environment import EnvironmentFailure, EpisodeClock, fact
 from lit_cancel.agents.episodes import Episode, EpisodeLimits, as_generation, episode_stats
 from lit_cancel.agents.sessions import ProgramSession
 from lit_cancel.agents.tools import CallFormat
+from lit_cancel.agents.trl_environment import dataset_row
 from lit_cancel.rounds.sample import Generation, padded
 from lit_cancel.rounds.score import RewardError, checked_reward
 from lit_cancel.tasks import Record
@@ -179,7 +180,8 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
     """``num_samples`` episodes of ``program`` on each of ``records``, each episode one session of ``endpoint``, rows
     ordered as :func:`~lit_cancel.agents.episodes.run_episodes` orders them (sample ``k`` of record ``i`` at
     ``i * num_samples + k``). A row's prompt is its program's first request as the chat template renders it (the
-    record's prompt in ``input_ids`` where the program made none)."""
+    record's prompt in ``input_ids`` where the program made none); the program gets each record as its task made it
+    (:func:`~lit_cancel.agents.trl_environment.dataset_row`)."""
     tokenizer, device = policy.tokenizer, input_ids.device
     changed, sessions, repeated = threading.Condition(), [], []
     for index, (record, ids, mask) in enumerate(zip(records, input_ids.cpu(), attention_mask.cpu(), strict=True)):
@@ -188,7 +190,7 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
             episode = Episode(ids[mask.bool()].tolist(), None, where, EpisodeClock(limits.episode_timeout))
             sessions.append(ProgramSession(secrets.token_hex(6), episode, template, tokenizer, calls, limits, changed,
                                            endpoint.model))
-            repeated.append(record)
+            repeated.append(dataset_row(record))
     rollout = ProgramRollout(program, endpoint, loop, sessions)
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)

@@ -260,7 +260,7 @@ def test_a_requests_max_tokens_cuts_its_turn_and_requests_past_max_turns_get_an_
     assert records[0]["lengths"] == [("length", 2), ("length", 0), ("length", 0), ("length", 0)]
 
 
-def test_the_task_reads_each_programs_first_request_as_its_records_prompt_and_names_a_program_that_fails_before(tmp_path):
+def test_the_task_reads_each_programs_first_request_as_its_records_prompt_and_names_a_program_that_fails_before(qwen_like_path):
     task = ProgramTask(ToolAdditionTask(train_size=3, val_size=2), "calculator_agent.run", "embedded:tiny-agent",
                        call_format=ColonCalls())
     assert [record["prompt"] for record in task.train_records()] == [r["prompt"] for r in ToolAdditionTask(train_size=3, val_size=2).train_records()]
@@ -274,6 +274,25 @@ def test_the_task_reads_each_programs_first_request_as_its_records_prompt_and_na
     with pytest.raises(ValueError, match=r"^the agent program .*no_request raised on val record 1 before its first request: "
                                          r"ConnectionError: sandbox down$"):
         broken.check_startup()
+    # with a chat template that renders more than the text, the record's prompt is the rendering, and the program still
+    # gets the record as the task made it
+    seen = []
+
+    async def chat(client, record):
+        seen.append(record["prompt"])
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": record["prompt"]}])
+        return 1.0
+
+    qwen = ProgramTask(ToolAdditionTask(train_size=2, val_size=1), chat, str(qwen_like_path))
+    records = qwen.train_records()
+    assert records[0]["prompt"].startswith("<|im_start|>system") and records[0]["prompt"].endswith("<|im_start|>assistant\n")
+    policy = ScriptedPolicy(lambda context: ("ok", True))
+    prompts = encode_prompts(policy.tokenizer, records)
+    seen.clear()
+    generation = qwen.rollout(policy, records, prompts["input_ids"], prompts["attention_mask"])
+    assert seen == [r["prompt"] for r in ToolAdditionTask(train_size=2, val_size=1).train_records()]
+    assert generation.input_ids[0, : generation.prompt_length][generation.attention_mask[0, : generation.prompt_length].bool()].tolist() \
+        == policy.tokenizer(records[0]["prompt"], add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="must be an async function"):
         ProgramTask(ToolAdditionTask(), lambda client, record: 1.0, "embedded:tiny-agent")
     with pytest.raises(ValueError, match="program='no_such_module.run' cannot be imported"):
