@@ -315,3 +315,11 @@ def test_a_robust_equivalence_label_is_not_called_fragile():
     steady = [-0.01, 0.01, -0.02, 0.02, 0.0, -0.01, 0.01, 0.0, -0.02, 0.02]
     text = "\n".join(e10_confirm_section(confirm_runs(steady, CONFIRM_P1, 100), {}))
     assert "whichever seed is left out." in text and "fragile" not in text and "E10 − E10-confirm" not in text
+
+
+def test_a_runs_provenance_names_the_cpus_family_model_and_stepping_beside_its_model_name():
+    from lab.runs import cpu_identity
+
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nstepping\t: 1\n" \
+              "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nstepping\t: 1\n"
+    assert cpu_identity(cpuinfo) == {"cpu": "AMD EPYC", "cpu_model": "family 25 model 1 stepping 1"}
