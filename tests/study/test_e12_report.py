@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 from lab import sections_e12, summaries
-from lab.cells import FAMILIES
+from lab.cells import FAMILIES, format_p, seed_ranges
 from lab.sections import experiment_sections
 from lab.sections_e12 import READINGS, e12_results, e12_section, forcing_works
 from lab.summaries import load_e12
@@ -284,3 +284,28 @@ def test_the_runner_stores_the_sha256_of_the_warm_start_a_run_starts_from(tmp_pa
         hashlib.sha256(b"weights").hexdigest()
     assert runs.model_sha256("lit-cancel fit --model.init_args.model_path=embedded:tiny-agent") is None
     assert runs.model_sha256("lit-cancel fit --config configs/quickstart-agent.yaml") is None
+
+
+def test_the_robustness_lines_give_medians_signs_and_leave_one_out_ps_that_match_scipy_and_name_fragile_seeds(tmp_path):
+    plan = plan_of("raises, does not raise")
+    # P from the agreeing warm start: an effect (raw p 0.018) that seed 207, far above the others, helps carry; leaving
+    # out any one of the even seeds (the others' high values) takes its p to 0.025 or above
+    plan["agreeing"]["P"] = {seed: (0.004 if seed == 207 else 0.0003 + 0.0006 * zigzag(seed)) for seed in SEEDS}
+    write_runs(tmp_path, plan)
+    runs = load_e12(tmp_path)
+    text = rendered(runs)
+    lines = [line for line in text.splitlines() if line.startswith(("* P1 (", "* P2 (", "* S1 (", "* S2 ("))]
+    assert len(lines) == 6
+    agreeing, mixed = (next(line for line in lines if line.startswith(f"* {tag} (")) for tag in ("P1", "P2"))
+    values = [plan["agreeing"]["P"][seed] for seed in SEEDS]
+    above = sum(value > 0 for value in values)
+    left_out_p = [stats.ttest_1samp(values[:i] + values[i + 1:], 0).pvalue for i in range(len(values))]
+    assert e12_results(runs)[("P", "agreeing")].verdict == "effect, the predicted direction"
+    assert f"median {statistics.median(values):+.4f} (mean {statistics.fmean(values):+.4f})" in agreeing
+    assert f"{above} of 26 seeds above 0 (sign p {format_p(stats.binomtest(above, 26).pvalue)})" in agreeing
+    assert f"p {format_p(min(left_out_p))}–{format_p(max(left_out_p))}" in agreeing
+    fragile = [seed for seed, p in zip(SEEDS, left_out_p) if p >= 0.025]
+    assert fragile == list(range(200, 226, 2))
+    assert f"the effect's p is 0.025 or above without seed {seed_ranges(fragile)}: fragile" in agreeing
+    # the mixed warm start's P is within ±0.002 whichever seed is left out
+    assert mixed.endswith("the TOST p stays below 0.025 whichever seed is left out")

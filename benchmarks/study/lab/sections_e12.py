@@ -15,7 +15,18 @@ from dataclasses import dataclass
 
 from lab.cells import FAMILIES, MIN_SEEDS, cell, finite_values, format_interval, format_p, seed_ranges, where_runs_ran
 from lab.runs import E11_STEPS, E12_PILOT_SEED, E12_SEEDS, RESULTS, e11_setting
-from lab.stats import ALPHA, minimal_detectable_effect, paired_difference, paired_t_test, paired_values, t_quantile, tost
+from lab.stats import (
+    ALPHA,
+    leave_one_out_tost,
+    minimal_detectable_effect,
+    paired_difference,
+    paired_t_test,
+    paired_values,
+    sign_test,
+    t_quantile,
+    t_test,
+    tost,
+)
 from lab.summaries import E11_EARLY_STEPS, E11_LAST_STEPS
 
 FORCED, INDEPENDENT, DFPO_FORCED = "GRPO-forced", "GRPO-independent", "DFPOMin-forced"
@@ -268,6 +279,49 @@ UNTESTED = (("tax", "learning tax", 4), ("val_end", f"`val/accuracy` after step 
             ("wall_s", "wall time (s)", 0))
 
 
+def robustness_line(outcome: Outcome, warm_start: str, forced: dict[int, dict], independent: dict[int, dict],
+                    result: Result) -> str | None:
+    """How much one comparison rests on single seeds (descriptive, no test): the median of the paired differences beside
+    their mean, how many go each way (an exact sign test), and the mean and raw p with any one seed left out; for a
+    verdict that is an effect, whether its raw p stays below the Holm family's strictest level (alpha / 2) whichever seed
+    is left out, and for one within the margin, whether its TOST p does. None below 3 pairs."""
+    a, b = finite_values(forced, outcome.key), finite_values(independent, outcome.key)
+    seeds, differences = sorted(set(a) & set(b)), paired_values(a, b)
+    if len(differences) < 3:
+        return None
+    digits, n = outcome.digits, len(differences)
+    left_out = [differences[:index] + differences[index + 1:] for index in range(n)]
+    means, ps = [statistics.fmean(values) for values in left_out], [t_test(values)[1] for values in left_out]
+    above = sum(difference > 0 for difference in differences)
+    line = (f"* {outcome.tag(warm_start)} ({outcome.label}, {warm_start}): median {statistics.median(differences):+.{digits}f} "
+            f"(mean {statistics.fmean(differences):+.{digits}f}); {above} of {n} seeds above 0 (sign p "
+            f"{format_p(sign_test(above, n))}); one seed left out: mean {min(means):+.{digits}f} to {max(means):+.{digits}f}, "
+            f"p {format_p(min(ps))}–{format_p(max(ps))}")
+    level = ALPHA / HOLM_TESTS
+    if result.verdict.startswith("effect"):
+        failing = [seed for seed, p in zip(seeds, ps, strict=True) if p >= level]
+        return line + (f"; the effect's p is {level:g} or above without seed {seed_ranges(failing)}: fragile" if failing
+                       else f"; the effect's p stays below {level:g} whichever seed is left out")
+    if result.verdict == within(outcome.margin):
+        tost_ps = leave_one_out_tost(differences, outcome.margin)
+        failing = [seed for seed, p in zip(seeds, tost_ps, strict=True) if p >= level]
+        return line + (f"; the TOST p is {level:g} or above without seed {seed_ranges(failing)}: the label is fragile" if failing
+                       else f"; the TOST p stays below {level:g} whichever seed is left out")
+    return line
+
+
+def robustness_lines(arms: dict[str, dict[str, dict[int, dict]]], results: dict[tuple[str, str], Result]) -> list[str]:
+    """:func:`robustness_line` of every comparison that has 3 pairs or more, under a line saying what it is."""
+    lines = [robustness_line(outcome, warm_start, arms[warm_start][FORCED], arms[warm_start][INDEPENDENT],
+                             results[(outcome.name, warm_start)]) for outcome in OUTCOMES for warm_start in WARM_STARTS]
+    lines = [line for line in lines if line]
+    if not lines:
+        return []
+    return ["How much each comparison rests on single seeds (descriptive, no test; added after the runs started and "
+            "before any was analysed, as the audit of E11 asked): the median of the paired differences beside their mean, "
+            "the seeds above 0, and the mean and raw p with any one seed left out.", "", *lines]
+
+
 def _paired_cell(forced: dict[int, dict], independent: dict[int, dict], key: str, digits: int) -> str:
     mean, half, _ = paired_difference(finite_values(forced, key), finite_values(independent, key))
     return format_interval(mean, half, digits)
@@ -362,4 +416,5 @@ def e12_section(runs: dict, pilot: dict | None = None) -> list[str]:
     lines += ["", "Secondary outcomes (S1, S2), each a Holm family of 2 tests with its TOST p a Holm family of 2: the forcing "
               "must not move what E11's warm starts differed in.", "", *TABLE_HEAD]
     lines += [_row(outcome, warm_start, results[(outcome.name, warm_start)]) for outcome in (S1, S2) for warm_start in WARM_STARTS]
-    return lines + [""] + reading_lines(arms, results) + [""] + untested_lines(arms)
+    robustness = robustness_lines(arms, results)
+    return lines + [""] + reading_lines(arms, results) + [""] + (robustness + [""] if robustness else []) + untested_lines(arms)
