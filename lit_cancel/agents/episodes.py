@@ -99,6 +99,30 @@ class Episode:
         self.sampler_logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
 
+@dataclass
+class TurnCalls:
+    """A round's engine calls, one a turn, each continuing running episodes from their token ids and keeping the engine
+    for the next (released by the caller after the last): the seconds their weight pushes took, and the engine's
+    statistics, ``perf/...`` summed over the calls, the others the last call's."""
+
+    policy: object
+    device: torch.device
+    greedy: bool = False
+    sync_seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: int) -> Generation:
+        """One call with ``contexts`` (a row each, left-padded); a process with none still makes it, with one pad row,
+        since a sharded policy gathers its weights at each call and every process must make as many."""
+        pad = self.policy.tokenizer.pad_token_id
+        ids, mask = padded(contexts or [[pad]], pad, left=True)
+        generation = self.policy.rollout(ids.to(self.device), mask.to(self.device), 1, self.greedy,
+                                         max_new_tokens=max_new_tokens, keep_engine=True)
+        self.sync_seconds += generation.sync_seconds
+        self.stats = {k: self.stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in generation.stats.items()}
+        return generation
+
+
 EpisodeScorer = Callable[[list[Record], list[Episode]], tuple[list[float], dict[str, float]]]
 """What scores finished episodes (``episodes[i]`` of ``records[i]``), their environments still at hand: a reward per
 episode (NaN where the task's reward is to score it) and ``rollout/...`` statistics of the scoring."""
@@ -136,18 +160,13 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
 
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)
-    sync_seconds, engine_stats = 0.0, {}
+    calls = TurnCalls(policy, device, greedy)
     for turn in range(1, limits.max_turns + 1):
         running = [e for e in episodes if e.ending is None]
         if not running and not (dist.is_initialized() and dist.get_world_size() > 1):
             break
-        # a sharded policy gathers its weights at each call: every process makes as many
-        contexts = [e.prompt + e.tokens for e in running] or [[tokenizer.pad_token_id]]
-        ids, mask = padded(contexts, tokenizer.pad_token_id, left=True)
         room = max((limits.max_episode_tokens - len(e.tokens) for e in running), default=1)
-        generation = policy.rollout(ids.to(device), mask.to(device), 1, greedy, max_new_tokens=min(turn_tokens, room), keep_engine=True)
-        sync_seconds += generation.sync_seconds
-        engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v for k, v in generation.stats.items()}
+        generation = calls([e.prompt + e.tokens for e in running], min(turn_tokens, room))
         for row, episode in enumerate(running):
             take_turn(episode, generation, row, turn, turn == limits.max_turns, limits, stops, tokenizer)
     policy.release_engine()  # the engine stayed as it was between turns (vLLM awake with the weights it was pushed)
@@ -159,8 +178,8 @@ def run_episodes(policy, make_environment: Callable[[], Environment], limits: Ep
         rewards, reward_stats = [scored(episode) for episode in episodes], {}
     else:
         rewards, reward_stats = survivors_scored(score, repeated, episodes)
-    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
-                         engine_stats | episode_stats(episodes) | reward_stats)
+    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, calls.sync_seconds,
+                         calls.stats | episode_stats(episodes) | reward_stats)
 
 
 def survivors_scored(score: EpisodeScorer, records: list[Record], episodes: list[Episode]) -> tuple[list[float], dict[str, float]]:

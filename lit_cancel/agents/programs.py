@@ -30,11 +30,11 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_cancel.agents.endpoint import ChatEndpoint, ChatRequest, EndpointError
 from lit_cancel.agents.environment import EnvironmentFailure, EpisodeClock, factory_name
-from lit_cancel.agents.episodes import Episode, EpisodeLimits, as_generation, episode_stats
+from lit_cancel.agents.episodes import Episode, EpisodeLimits, TurnCalls, as_generation, episode_stats
 from lit_cancel.agents.sessions import ProgramSession
 from lit_cancel.agents.tools import CallFormat
 from lit_cancel.agents.trl_environment import dataset_row
-from lit_cancel.rounds.sample import Generation, padded
+from lit_cancel.rounds.sample import Generation
 from lit_cancel.rounds.score import RewardError, checked_reward
 from lit_cancel.tasks import Record
 
@@ -194,7 +194,7 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
     rollout = ProgramRollout(program, endpoint, loop, sessions)
     turn_tokens = limits.max_turn_tokens or policy.sampling_options().max_new_tokens
     stops = set(policy.stop_token_ids)
-    sync_seconds, engine_stats = 0.0, {}
+    calls = TurnCalls(policy, device, greedy)
     try:
         rollout.start(repeated)
         for _ in range(limits.max_turns):
@@ -202,16 +202,9 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
             asking = [s for s in sessions if s.pending is not None and not s.over]
             if not asking and not (dist.is_initialized() and dist.get_world_size() > 1):
                 break
-            # a sharded policy gathers its weights at each call: every process makes as many
-            contexts = [s.episode.prompt + s.episode.tokens for s in asking] or [[tokenizer.pad_token_id]]
-            ids, mask = padded(contexts, tokenizer.pad_token_id, left=True)
             asked = [min(turn_tokens, s.pending.max_tokens or turn_tokens) for s in asking]
             room = max((limits.max_episode_tokens - len(s.episode.tokens) for s in asking), default=1)
-            generation = policy.rollout(ids.to(device), mask.to(device), 1, greedy,
-                                        max_new_tokens=min(max(asked, default=turn_tokens), room), keep_engine=True)
-            sync_seconds += generation.sync_seconds
-            engine_stats = {k: engine_stats.get(k, 0.0) + v if k.startswith("perf/") else v
-                            for k, v in generation.stats.items()}
+            generation = calls([s.episode.prompt + s.episode.tokens for s in asking], min(max(asked, default=turn_tokens), room))
             for row, (session, limit) in enumerate(zip(asking, asked, strict=True)):
                 answer_row(session, generation, row, limit, stops, tokenizer)
         policy.release_engine()
@@ -226,8 +219,8 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
     episodes = [session.episode for session in sessions]
     for episode in episodes:
         episode.ending = episode.ending or "done"
-    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, sync_seconds,
-                         engine_stats | episode_stats(episodes) | rollout.stats())
+    return as_generation(episodes, tokenizer.pad_token_id, device, rewards, calls.sync_seconds,
+                         calls.stats | episode_stats(episodes) | rollout.stats())
 
 
 def answer_row(session: ProgramSession, generation: Generation, row: int, limit: int, stops: set[int], tokenizer) -> None:
