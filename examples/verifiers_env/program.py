@@ -2,8 +2,9 @@
 environment's own rollout against the client's endpoint, and its reward what the taskset's ``@vf.reward`` methods give.
 
 Only the agent's seat is pinned: a local subprocess instead of verifiers' default Prime sandbox, and the plain chat loop
-(harness ``null``) instead of the default ``bash`` coding agent, so the policy's requests are the taskset's prompt and
-tools. Outside training it runs against any OpenAI-compatible server: ``await run(openai.AsyncOpenAI(base_url=...), record)``.
+(harness ``null``) instead of the harness the taskset ships or, without one, the ``bash`` agent, so the policy's requests
+are the taskset's prompt and tools. Outside training it runs against any OpenAI-compatible server:
+``await run(openai.AsyncOpenAI(base_url=...), record)``.
 """
 
 import os
@@ -24,10 +25,11 @@ async def run(client, record: dict) -> float:
     # session URL, until it stops serving
     env = vf.load_environment(CONFIG)
     task_type = type(env.taskset).task_type()
-    task = task_type(task_type.data_type()(**record), env.taskset.config.task)
+    task = task_type(task_type.data_type()(**record), env.taskset.config.task)  # the record's fields are the task's data
     async with env.serving():
         episode = await env.run_episode(task, model)
     if not episode.ok:
         errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
-        raise RuntimeError("the verifiers episode failed: " + "; ".join(f"{error.type}: {error.message}" for error in errors))
+        messages = (f"{error.type}: {' '.join(error.message.split())}" for error in errors)  # uv's span several lines
+        raise RuntimeError("the verifiers episode failed: " + "; ".join(messages))
     return episode.traces[0].reward
