@@ -57,10 +57,9 @@ class ProgramLoop:
         self.http = asyncio.run_coroutine_threadsafe(self.pool(), self.loop).result()
 
     async def pool(self) -> Any:
-        try:  # the HTTP library of the installed openai: httpx2 in its recent releases, httpx before
-            httpx = importlib.import_module("httpx2")
-        except ImportError:
-            httpx = importlib.import_module("httpx")
+        # the HTTP library the installed openai is built on (httpx2 in its recent releases, httpx before), as both may
+        # be installed and the other's Limits and Timeout would pass into its client unchecked
+        httpx = importlib.import_module(self.openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
         return self.openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
                                                    timeout=httpx.Timeout(None))
 

@@ -36,6 +36,12 @@ def loop():
     return ProgramLoop()
 
 
+def test_the_programs_connection_pool_is_built_with_the_http_library_the_installed_openai_uses(loop):
+    # openai 2 is built on httpx, openai 3 on httpx2, and both libraries may be installed (verifiers needs httpx2 beside
+    # openai 2): the other library's Timeout would reach the pool unchecked, as its every field
+    assert (loop.http.timeout.connect, loop.http.timeout.read, loop.http.timeout.write, loop.http.timeout.pool) == (None,) * 4
+
+
 def post(url, body, key=None, raw=None):
     """``(status, body)`` of a POST of ``body`` (JSON) or ``raw`` bytes."""
     request = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(), method="POST",
