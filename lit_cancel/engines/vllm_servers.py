@@ -1,7 +1,8 @@
 """Rollouts from separate vLLM servers, with the weights pushed to them, synchronously or ahead of the trainer.
 
 :class:`VLLMServerEngine` sends each prompt's group as one request (:mod:`lit_cancel.engines.server_messages`)
-to one of its servers (:mod:`lit_cancel.engines.server_process`), spreading groups over the servers. After the
+to one of its servers (:mod:`lit_cancel.engines.server_process`), spreading groups over the servers; an agent's
+next turn goes back to the server that sampled its last one (:mod:`lit_cancel.engines.prefix_routes`). After the
 policy changed, the next rollout first pushes its weights to every server as a new version, labelled
 with the run and the optimizer step; every completion comes back with the label of the weights that
 sampled it, and one that is not a version of this run, or older than allowed, is refused.
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions, in_background
 from lit_cancel.engines.launched_server import LaunchedServer, write_weights
+from lit_cancel.engines.prefix_routes import PrefixRoutes
 from lit_cancel.engines.server_messages import (
     RolloutRequest,
     RolloutResult,
@@ -65,6 +67,15 @@ def load_everywhere(folder: str, label: str, clients: list[ServerClient]) -> Non
             load.result()
         except ServerError:
             pass
+
+
+def check_reachable(urls: list[str]) -> None:
+    """Refuses, in one line naming the option, a server that cannot be reached or lacks the routes the trainer needs."""
+    for url in urls:
+        try:
+            ServerClient(url).check()
+        except ServerError as error:
+            raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
 
 
 def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str, clients: list[ServerClient]) -> None:
@@ -187,18 +198,14 @@ class VLLMServerEngine(RolloutEngine):
         self.closed = False
         # draws sampled ahead, by their requests' prompts and seeds: the future result, and the oldest step allowed
         self.ahead: dict[tuple, tuple[Future, int]] = {}
-        self.next_server = 0
+        self.routes = PrefixRoutes()  # an agent's next turn goes back to the server that holds its prefix
         self._temporary: list[str] = []
 
     def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs, and a server to launch
         on a machine without a GPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens
         (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`)."""
-        for url in self.urls:
-            try:
-                ServerClient(url).check()
-            except ServerError as error:
-                raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
+        check_reachable(self.urls)
         if self.server is not None:
             self.server.check(policy, self._dtype(policy), options and options.max_new_tokens)
 
@@ -286,17 +293,19 @@ class VLLMServerEngine(RolloutEngine):
         """One request's result from the first server that answers it with acceptable weights. The request is sent again
         (to the next server, which first gets the current weights if it lacks them) until no server answered for
         ``server_timeout`` seconds, or its tries failed for that long."""
-        started, first_failure = time.monotonic(), None
+        started, first_failure, index = time.monotonic(), None, None
         errors: dict[str, str] = {}
         while True:
             with self.version_changed:
                 if self.closed:
                     raise ServerError("the engine was closed")
-                index = self.next_server = (self.next_server + 1) % len(self.clients)
+                index = self.routes.choose(request.prompt_ids if index is None else None, len(self.clients))
             client = self.clients[index]
             try:
                 self._current(client)
-                return parse_result(client.generate(request), request, self.pushed, client.url)
+                result = parse_result(client.generate(request), request, self.pushed, client.url)
+                self.routes.remember(request.prompt_ids, result.completion_ids, index)
+                return result
             except (StaleRolloutError, ServerError) as error:  # a stale server is pushed the weights before the next try
                 errors[client.url] = str(error)
             now = time.monotonic()
@@ -341,7 +350,8 @@ class VLLMServerEngine(RolloutEngine):
             results, server_wait = future.result()
         else:
             results, server_wait = self._draw(requests)
-        stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait}
+        stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait,
+                 "perf/prefix_routed_tokens": float(self.routes.taken_routed_tokens())}
         if self.max_staleness:
             stats["rollout/queue_depth"] = float(queued)
         return completions_of(request, results, stats)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from lit_cancel import VLLMServerEngine
 from lit_cancel.engines.base import in_background
+from lit_cancel.engines.prefix_routes import PrefixRoutes
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, version_label
 from lit_cancel.engines.server_process import ServerClient, free_port
 from lit_cancel.engines.vllm_servers import push_weights
@@ -31,6 +32,7 @@ class StandInServer:
         self.label, self.weights, self.paused = "default", None, False
         self.reloads: list[str] = []
         self.generations = 0
+        self.prompts: list[tuple[int, ...]] = []
         self.reloaded = lambda folder: None
         self.changed = threading.Condition()
 
@@ -49,6 +51,7 @@ class StandInServer:
                 self.reloads.append(body["kwargs"]["weights_path"])
             elif path == "/inference/v1/generate":
                 self.generations += 1
+                self.prompts.append(tuple(body["token_ids"]))
             self.changed.notify_all()
         if path == "/collective_rpc":
             self.reloaded(body["kwargs"]["weights_path"])
@@ -190,3 +193,38 @@ def test_the_servers_load_a_push_between_the_processes_barriers(tmp_path, monkey
             dist.destroy_process_group()
     # every process finished its draws with the weights the servers held (sync) before any server replaces them
     assert events == ["barrier", "reload", "barrier"]
+
+
+def test_an_agents_next_turn_goes_back_to_the_server_that_sampled_its_last_and_new_prompts_are_spread(tmp_path):
+    with stand_in_servers(2) as servers:
+        urls = [url for _, url in servers]
+        engine = VLLMServerEngine(urls=urls, server_timeout=30)
+        engine.run = RUN
+        engine.clients = [ServerClient(url, 30, 30, engine._is_own) for url in urls]
+        learn_push(engine, 0, str(tmp_path))
+        for state, _ in servers:
+            state.label = version_label(RUN, 0)
+        first_turns = [(10 + episode, 11) for episode in range(4)]
+        for prompt in first_turns:
+            engine._generate(RolloutRequest(prompt, 1, REQUEST.options, seed=0, oldest_step=0))
+        # each first turn was new: spread in turn; each next turn (its prompt, the sampled token 1, a reply) follows it
+        assert [state.prompts for state, _ in servers] == [[first_turns[0], first_turns[2]], [first_turns[1], first_turns[3]]]
+        for prompt in reversed(first_turns):
+            engine._generate(RolloutRequest((*prompt, 1, 7, 8), 1, REQUEST.options, seed=0, oldest_step=0))
+        for state, _ in servers:
+            firsts, nexts = state.prompts[:2], state.prompts[2:]
+            assert sorted(next_turn[:2] for next_turn in nexts) == sorted(firsts)
+        assert engine.routes.taken_routed_tokens() == 4 * 3  # each next turn's prompt and sampled token were on its server
+
+
+def test_prefix_routes_take_the_longest_remembered_prefix_retry_in_turn_and_forget_the_oldest():
+    routes = PrefixRoutes(keep=3)
+    assert [routes.choose((1, 2), 2), routes.choose((3,), 2)] == [0, 1]
+    routes.remember((1, 2), [(5,)], 1)  # (1, 2) and (1, 2, 5) on server 1
+    routes.remember((1,), [], 0)  # (1,) on server 0: a shorter prefix of the same prompts
+    assert routes.choose((1, 2, 5, 9), 2) == 1 and routes.taken_routed_tokens() == 3
+    assert routes.choose((1, 4), 2) == 0 and routes.taken_routed_tokens() == 1
+    assert routes.choose(None, 2) == 0  # a retry: the next in turn, whatever is remembered
+    routes.remember((7,), [], 1)  # a fourth sequence: (1, 2), the oldest, is forgotten
+    assert routes.choose((1, 2, 9), 2) == 0  # (1,) is still remembered, on server 0
+    assert routes.choose((1, 2, 5), 2) == 1
