@@ -8,7 +8,8 @@ per run): a request without it is answered 401 and counted, so nobody else on th
 A request is read, checked and handed to its session (:class:`~lit_cancel.agents.sessions.ProgramSession`), which
 answers once the round's next engine call has sampled its turn; a bad request gets an OpenAI-style error (400, 404,
 409 or 413) that the program's client raises. Bounds: ``max_request_bytes`` per request body; ``n`` must be 1;
-``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's ``max_turn_tokens``. ``stream: true`` is
+``max_tokens`` (or ``max_completion_tokens``) is honoured up to the task's ``max_turn_tokens``; ``stop`` strings end a
+turn where one first appears (:func:`~lit_cancel.agents.programs.answer_row`). ``stream: true`` is
 answered as server-sent events of the whole completion, sent once it is sampled (agent harnesses that always stream,
 verifiers' among them, read it as any stream).
 """
@@ -36,13 +37,14 @@ class EndpointError(Exception):
 @dataclass(frozen=True)
 class ChatRequest:
     """One checked ``/v1/chat/completions`` request: its messages (tool calls' arguments read into objects, as chat
-    templates render them), its tools' schemas, the ``max_tokens`` it asks for (None: the task's limit), and whether it
-    is answered as a stream of server-sent events."""
+    templates render them), its tools' schemas, the ``max_tokens`` it asks for (None: the task's limit), whether it is
+    answered as a stream of server-sent events, and its ``stop`` strings."""
 
     messages: list[dict]
     tools: list[dict] | None
     max_tokens: int | None
     stream: bool = False
+    stop: tuple[str, ...] = ()
 
 
 def checked_request(body: dict) -> ChatRequest:
@@ -55,15 +57,18 @@ def checked_request(body: dict) -> ChatRequest:
             raise EndpointError(400, f"messages[{index}] must be an object whose role is one of {', '.join(ROLES)}")
     if body.get("n", 1) != 1:
         raise EndpointError(400, f"n={body['n']!r}: each request samples one completion (n=1); run the program once per sample")
-    if body.get("stop"):
-        raise EndpointError(400, "stop strings are not served: a turn ends at the model's stop token, as it is trained")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(text, str) and text for text in stop)):
+        raise EndpointError(400, f"stop must be a non-empty string or a list of at most 4 of them, got {body['stop']!r}")
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and "function" in t for t in tools)):
         raise EndpointError(400, "tools must be a list of {\"type\": \"function\", \"function\": {...}} schemas")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise EndpointError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    return ChatRequest([with_read_arguments(message) for message in messages], tools, max_tokens, bool(body.get("stream")))
+    return ChatRequest([with_read_arguments(message) for message in messages], tools, max_tokens, bool(body.get("stream")),
+                       tuple(stop))
 
 
 def with_read_arguments(message: dict) -> dict:

@@ -223,7 +223,9 @@ def run_programs(policy, program: Program, endpoint: ChatEndpoint, loop: Program
 
 
 def answer_row(session: ProgramSession, generation: Generation, row: int, limit: int, stops: set[int], tokenizer) -> None:
-    """Row ``row`` of ``generation``, cut at the request's own ``max_tokens`` (``limit``), as the session's turn."""
+    """Row ``row`` of ``generation`` as the session's turn, cut at the request's own ``max_tokens`` (``limit``) and at
+    the first of its ``stop`` strings: the turn keeps its tokens up to the one that completes the stop string (sampled,
+    so trained) and the program reads the text before it, as OpenAI's API answers."""
     sampled = generation.completion_mask[row].bool()
     tokens = generation.input_ids[row, generation.prompt_length:][sampled].tolist()
     logprobs = None if generation.sampler_logprobs is None else generation.sampler_logprobs[row][sampled].tolist()
@@ -231,9 +233,26 @@ def answer_row(session: ProgramSession, generation: Generation, row: int, limit:
         session.episode.turn_steps.append(int(generation.sampler_steps[row]))
     text = generation.texts[row]
     if len(tokens) > limit:
-        tokens, logprobs = tokens[:limit], None if logprobs is None else logprobs[:limit]
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-    session.answer(tokens, text, logprobs, bool(tokens) and tokens[-1] in stops)
+        tokens, text = tokens[:limit], tokenizer.decode(tokens[:limit], skip_special_tokens=True)
+    at_stop_token = bool(tokens) and tokens[-1] in stops
+    found = [(text.find(stop), stop) for stop in session.pending.stop if stop in text]
+    if found:
+        position, stop = min(found)
+        tokens, text, at_stop_token = tokens[:first_prefix_with(tokens, text[:position] + stop, tokenizer)], text[:position], False
+    session.answer(tokens, text, None if logprobs is None else logprobs[:len(tokens)], at_stop_token or bool(found), at_stop_token)
+
+
+def first_prefix_with(tokens: list[int], text: str, tokenizer) -> int:
+    """The fewest of ``tokens`` whose text contains ``text`` (their whole text does); a binary search, as containing it
+    holds for every longer prefix once it holds for one."""
+    low, high = 1, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        if text in tokenizer.decode(tokens[:middle], skip_special_tokens=True):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 class FirstRequest:

@@ -36,6 +36,7 @@ class Segment:
     messages: list[dict]
     tools: list[dict] | None
     reply: dict | None = None
+    stop_text: str = ""  # the reply's stop token as text, where the policy ended it with one
 
 
 class ProgramSession:
@@ -113,9 +114,9 @@ class ProgramSession:
             raise EndpointError(400, f"the chat template cannot render these messages: {type(error).__name__}: {error}") from None
 
     def reply_end(self, before: str) -> int:
-        """Where the last reply ends in ``before``: after its stop token's text (the policy sampled it; what the template
-        writes after it, a newline say, is the environment's), at the end where the template does not write it."""
-        stop = self.tokenizer.decode(self.episode.tokens[-1:]) if self.episode.tokens else ""
+        """Where the last reply ends in ``before``: after its stop token's text where the policy ended it with its stop
+        token (what the template writes after it, a newline say, is the environment's), else at the end."""
+        stop = self.segment.stop_text
         position = before.rfind(stop) if stop else -1
         return len(before) if position < 0 else position + len(stop)
 
@@ -131,9 +132,10 @@ class ProgramSession:
         if len(tokens) >= room:
             self.end("episode_cut")
 
-    def answer(self, tokens: list[int], text: str, logprobs: list[float] | None, stopped: bool) -> None:
+    def answer(self, tokens: list[int], text: str, logprobs: list[float] | None, stopped: bool, at_stop_token: bool) -> None:
         """The engine sampled ``tokens`` (``text``, its stop token removed) for the pending request: appended as the
-        policy's turn, and the reply sent (its tool calls read with the task's call format)."""
+        policy's turn, and the reply sent (its tool calls read with the task's call format). ``stopped``: the turn ended
+        (at the model's stop token, ``at_stop_token``, or at a stop string of the request), not cut at a limit."""
         episode = self.episode
         room = self.limits.max_episode_tokens - len(episode.tokens)
         episode.turns += 1
@@ -150,6 +152,7 @@ class ProgramSession:
             found = []
         # the reply as the program will send it back, its calls' arguments read into objects as templates render them
         self.segment.reply = {"role": "assistant", "content": text}
+        self.segment.stop_text = self.tokenizer.decode(tokens[-1:]) if at_stop_token else ""
         episode.tool_calls += len(found)
         if found:
             self.segment.reply = {"role": "assistant", "content": self.calls.prose(text) or None, "tool_calls": [

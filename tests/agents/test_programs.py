@@ -65,7 +65,8 @@ def test_the_endpoint_answers_only_the_runs_key_counts_the_refusals_and_checks_e
     status, body = post(url, None, key=endpoint.key, raw=b"x" * 4001)
     assert status == 413 and "at most 4000" in body["error"]["message"]
     assert post(url, ok | {"n": 2}, key=endpoint.key)[0] == 400
-    assert post(url, ok | {"stop": ["\n"]}, key=endpoint.key)[0] == 400
+    assert post(url, ok | {"stop": ["a", "b", "c", "d", "e"]}, key=endpoint.key)[0] == 400
+    assert post(url, ok | {"stop": [3]}, key=endpoint.key)[0] == 400
     assert post(url, {"messages": [{"role": "robot", "content": "x"}]}, key=endpoint.key)[1]["error"]["message"].startswith("messages[0]")
     assert post(endpoint.base_url("absent") + "/chat/completions", ok, key=endpoint.key)[0] == 404
     # tool calls' arguments, JSON text in OpenAI's format, reach the chat template as objects
@@ -264,6 +265,33 @@ def test_a_requests_max_tokens_cuts_its_turn_and_requests_past_max_turns_get_an_
                  EpisodeLimits(2, 10, 200), records, prompts["input_ids"], prompts["attention_mask"])
     # the first turn cut at 2 tokens ends the episode for training; every later request is answered empty
     assert records[0]["lengths"] == [("length", 2), ("length", 0), ("length", 0), ("length", 0)]
+
+
+async def stops_at_a_bang(client, record):
+    messages = [{"role": "user", "content": "go!"}]  # the stop string in the conversation before the turn that stops at it
+    replies = []
+    for turn in range(2):
+        reply = await client.chat.completions.create(model="m", messages=messages, stop=["!"] if turn == 0 else None)
+        replies.append((reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens))
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "more"}]
+    record["replies"] = replies
+    return 1.0
+
+
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it_and_the_program_reads_the_text_before_it(endpoint, loop):
+    policy = ScriptedPolicy(lambda context: ("ab!cd", True))
+    records = [{"prompt": "p"}]
+    prompts = encode_prompts(policy.tokenizer, records)
+    generation = run_programs(policy, stops_at_a_bang, endpoint, loop, chat_tokenizer("embedded:tiny-agent"), ColonCalls(),
+                              EpisodeLimits(2, 10, 200), records, prompts["input_ids"], prompts["attention_mask"])
+    ids = lambda text: policy.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = policy.tokenizer.eos_token_id
+    assert records[0]["replies"] == [("ab", "stop", 3), ("ab!cd", "stop", 6)]
+    # the first turn trains what was sampled up to the stop string, "!" included; the template's end of that reply, which
+    # the policy never sampled, is not in the episode: the conversation continues after the sampled tokens
+    row = generation.input_ids[0][generation.attention_mask[0].bool()].tolist()
+    assert row == ids("go!") + ids("ab!") + ids("more") + ids("ab!cd") + [eos]
+    assert generation.stats["rollout/history_rewrites"] == 0
 
 
 def test_the_task_reads_each_programs_first_request_as_its_records_prompt_and_names_a_program_that_fails_before(qwen_like_path):
