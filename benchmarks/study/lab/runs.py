@@ -272,6 +272,7 @@ def experiment_runs(name: str, seeds: list[int]) -> list[Run]:
 
 
 EXPERIMENTS = ("E1", "E2", "E3", "E4", "E5", "E7", "E8", "E9", "E10", "E10C", "E11", "E12", "E12P")
+CHECKS = ("E12P",)  # runs that check an experiment's setup before its main runs: no arms of their own
 PROBES = ("E6",)
 
 
