@@ -42,6 +42,14 @@ def test_the_programs_connection_pool_is_built_with_the_http_library_the_install
     assert (loop.http.timeout.connect, loop.http.timeout.read, loop.http.timeout.write, loop.http.timeout.pool) == (None,) * 4
 
 
+def programs_on(policy, program, records, endpoint, loop, limits, template="embedded:tiny-agent", calls=None, **options):
+    """``run_programs`` of ``program`` on ``records`` with ``policy`` (a ScriptedPolicy), the chat template of the folder
+    ``template`` and the embedded agent's call format unless ``calls``."""
+    prompts = encode_prompts(policy.tokenizer, records)
+    return run_programs(policy, program, endpoint, loop, chat_tokenizer(template), calls or ColonCalls(), limits, records,
+                        prompts["input_ids"], prompts["attention_mask"], **options)
+
+
 def post(url, body, key=None, raw=None):
     """``(status, body)`` of a POST of ``body`` (JSON) or ``raw`` bytes."""
     request = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(), method="POST",
@@ -232,12 +240,9 @@ async def failing(client, record):
 
 
 def test_a_program_that_raises_hangs_or_returns_text_fails_its_episode_only(endpoint, loop):
-    policy = ScriptedPolicy(lambda context: ("ok", True))
     records = [{"prompt": "a", "kind": kind} for kind in ("raises", "hangs", "text", "fine", "none")]
-    prompts = encode_prompts(policy.tokenizer, records)
-    generation = run_programs(policy, failing, endpoint, loop, chat_tokenizer("embedded:tiny-agent"), ColonCalls(),
-                              EpisodeLimits(2, 8, 32, episode_timeout=1.0), records, prompts["input_ids"],
-                              prompts["attention_mask"], names=[f"train record {i}" for i in range(5)])
+    generation = programs_on(ScriptedPolicy(lambda context: ("ok", True)), failing, records, endpoint, loop,
+                             EpisodeLimits(2, 8, 32, episode_timeout=1.0), names=[f"train record {i}" for i in range(5)])
     causes = [None if failure is None else failure.cause for failure in generation.failures]
     assert causes == ["program_raised", "timeout", "reward_wrong_type", None, None]
     assert "the agent program failing raised on train record 0: KeyError: 'tool server gone'" in generation.failures[0].message
@@ -258,11 +263,8 @@ async def greedy_for_turns(client, record):
 
 
 def test_a_requests_max_tokens_cuts_its_turn_and_requests_past_max_turns_get_an_empty_completion(endpoint, loop):
-    policy = ScriptedPolicy(lambda context: ("abcdef", True))
     records = [{"prompt": "p"}]
-    prompts = encode_prompts(policy.tokenizer, records)
-    run_programs(policy, greedy_for_turns, endpoint, loop, chat_tokenizer("embedded:tiny-agent"), ColonCalls(),
-                 EpisodeLimits(2, 10, 200), records, prompts["input_ids"], prompts["attention_mask"])
+    programs_on(ScriptedPolicy(lambda context: ("abcdef", True)), greedy_for_turns, records, endpoint, loop, EpisodeLimits(2, 10, 200))
     # the first turn cut at 2 tokens ends the episode for training; every later request is answered empty
     assert records[0]["lengths"] == [("length", 2), ("length", 0), ("length", 0), ("length", 0)]
 
@@ -279,11 +281,8 @@ async def stops_at_a_bang(client, record):
 
 
 def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it_and_the_program_reads_the_text_before_it(endpoint, loop):
-    policy = ScriptedPolicy(lambda context: ("ab!cd", True))
-    records = [{"prompt": "p"}]
-    prompts = encode_prompts(policy.tokenizer, records)
-    generation = run_programs(policy, stops_at_a_bang, endpoint, loop, chat_tokenizer("embedded:tiny-agent"), ColonCalls(),
-                              EpisodeLimits(2, 10, 200), records, prompts["input_ids"], prompts["attention_mask"])
+    policy, records = ScriptedPolicy(lambda context: ("ab!cd", True)), [{"prompt": "p"}]
+    generation = programs_on(policy, stops_at_a_bang, records, endpoint, loop, EpisodeLimits(2, 10, 200))
     ids = lambda text: policy.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     eos = policy.tokenizer.eos_token_id
     assert records[0]["replies"] == [("ab", "stop", 3), ("ab!cd", "stop", 6)]
