@@ -93,6 +93,14 @@ class Episode:
         """The policy's turns as text: the transcript alternates turn and observation, starting with a turn."""
         return self.transcript[0::2]
 
+    def append_reply(self, text: str, max_episode_tokens: int, tokenizer) -> bool:
+        """The environment's ``text`` appended as ids, cut at ``max_episode_tokens``; whether it filled the episode."""
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        room = max_episode_tokens - len(self.tokens)
+        self.append(tokens[:room], False)
+        self.transcript.append(text if len(tokens) <= room else tokenizer.decode(tokens[:room]))
+        return len(tokens) >= room
+
     def append(self, tokens: list[int], from_policy: bool, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
         self.from_policy += [from_policy] * len(tokens)
@@ -243,12 +251,8 @@ def take_turn(episode: Episode, generation: Generation, row: int, turn: int, las
         return
     if last:
         return
-    answer = tokenizer(observation.text, add_special_tokens=False)["input_ids"]
-    room = limits.max_episode_tokens - len(episode.tokens)
-    episode.append(answer[:room], False)
-    episode.transcript.append(observation.text if len(answer) <= room else tokenizer.decode(answer[:room]))
     # an observation that fills the episode leaves no room for another turn
-    if len(answer) >= room:
+    if episode.append_reply(observation.text, limits.max_episode_tokens, tokenizer):
         episode.ending = "episode_cut"
 
 

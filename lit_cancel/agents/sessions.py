@@ -125,11 +125,7 @@ class ProgramSession:
 
     def append_context(self, text: str) -> None:
         """The environment's ``text`` appended up to the episode's token limit; the episode ends where it fills it."""
-        tokens = self.encode(text)
-        room = self.limits.max_episode_tokens - len(self.episode.tokens)
-        self.episode.append(tokens[:room], False)
-        self.episode.transcript.append(text if len(tokens) <= room else self.tokenizer.decode(tokens[:room]))
-        if len(tokens) >= room:
+        if self.episode.append_reply(text, self.limits.max_episode_tokens, self.tokenizer):
             self.end("episode_cut")
 
     def answer(self, tokens: list[int], text: str, logprobs: list[float] | None, stopped: bool, at_stop_token: bool) -> None:
