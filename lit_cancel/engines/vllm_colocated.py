@@ -11,6 +11,12 @@ values belong to the old weights.
 vLLM reports each sampled token's log-probability after temperature, top-k and top-p
 (``logprobs_mode="processed_logprobs"``): the objective compares it with the trainer's and can
 correct for the difference (:mod:`lit_cancel.objectives.corrections`).
+
+vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is running, sets
+``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces ``torch.set_num_threads`` by a no-op; the engine keeps
+the training's thread count by setting ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it
+was. vLLM logs warnings and errors only, unless ``VLLM_LOGGING_LEVEL`` or ``llm_kwargs`` says otherwise
+(:func:`~lit_cancel.engines.vllm_common.log_level_option`).
 """
 
 import importlib.util
@@ -18,15 +24,18 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
+from lit_cancel.engines.adapters import ColocatedAdapter, adapters_to_push, vllm_max_lora_rank
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions
 from lit_cancel.engines.vllm_common import (
     CPU_KV_CACHE,
     INSTALL_HINT,
     VLLM_OPTIONS,
     RotaryReloadFilter,
+    counted,
     engine_dtype,
     kv_cache_need,
     kv_cache_refusal,
@@ -62,11 +71,29 @@ def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, l
     return limits
 
 
+def one_engine_per_process(device: torch.device) -> dict:
+    """The ``vllm.LLM`` arguments that make each of several trainer processes (FSDP2, DDP) run its own engine on its own
+    prompts, each a vLLM world of one in the trainer's process group; none in a single process.
+
+    Not vLLM's data parallelism: that steps the engines of all processes together (an all-reduce per step, dummy batches
+    where nothing is left to sample: LLMEngine.has_unfinished_requests) and hangs once one process calls generate more
+    often than another."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return {}
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # vLLM's worker takes cuda:LOCAL_RANK: the process's own GPU, whatever the launcher set
+    local_rank = device.index if device.type == "cuda" and device.index is not None else os.environ.get("LOCAL_RANK", rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    return {"distributed_executor_backend": "external_launcher"}
+
+
 class VLLMEngine(RolloutEngine):
     """Samples rollouts and validation completions with vLLM, in the training process.
 
     Weights are pushed to the engine before the first rollout after the policy changed (each round,
-    at most once per optimizer step), timed in ``perf/weight_sync_s``. With LoRA the adapters are
+    at most once per optimizer step), timed in ``perf/weight_sync_s``, their bytes in ``perf/weight_push_bytes``. With
+    LoRA (``push_adapters``) the base weights are pushed once and then the adapters alone, as a ``LoRARequest`` the
+    engine samples with; where vLLM cannot take them as an adapter, or with ``push_adapters: false``, the adapters are
     merged for the push, the policy keeps them unmerged. Under FSDP2 (or DDP) every process gathers the
     weights one by one as vLLM loads them (:func:`merged_weights`) and drives its own engine on its own prompts,
     independently of the others: vLLM's ``external_launcher`` with a vLLM world of one process, not its data
@@ -78,7 +105,8 @@ class VLLMEngine(RolloutEngine):
     runs repeat and processes draw different random numbers.
 
     With sleep mode the engine releases its KV cache and discards its weights after every training call
-    (vLLM's sleep level 2: no copy of the weights in host memory). A push wakes the weights alone, so
+    (vLLM's sleep level 2: no copy of the weights in host memory; pushing adapters, level 1: the base weights wait in host
+    memory). A push wakes the weights alone, so
     the KV cache stays released while the gathered weights are built, then the KV cache wakes to
     sample. Through a validation the engine stays awake, from its first call to the validation's end
     (:meth:`release`), so a validation pushes the weights once at most, however many batches and
@@ -86,12 +114,7 @@ class VLLMEngine(RolloutEngine):
     turns (``request.keep``), which call it once a turn. A call with no push since the last
     sleep (the first rollout after a validation) pushes the weights again first, timed with the others.
 
-    vLLM changes its process: it initialises ``torch.distributed`` (one process, gloo) when none is
-    running, sets ``LD_PRELOAD`` for subprocesses on a CPU, and on a CPU replaces
-    ``torch.set_num_threads`` by a no-op; the engine keeps the training's thread count by setting
-    ``OMP_NUM_THREADS`` to it when unset, and keeps the global random state as it was. vLLM logs
-    warnings and errors only, unless ``VLLM_LOGGING_LEVEL`` or ``llm_kwargs`` says otherwise
-    (:func:`log_level_option`).
+    vLLM changes its process (see the module's description).
 
     Args:
         kv_cache_memory_bytes: memory for the KV cache. None: 1 GiB on a CPU (vLLM would otherwise
@@ -118,6 +141,8 @@ class VLLMEngine(RolloutEngine):
         max_num_batched_tokens: the most tokens vLLM computes in one step (prompt chunks and one token per decoding
             sequence); its memory profiling runs a forward pass of this many tokens. At least ``max_num_seqs`` (vLLM
             refuses less). None: vLLM's default (vLLM 0.32: 16,384 on an H100 or H200, 8,192 on smaller GPUs, 4,096 on a CPU).
+        push_adapters: with LoRA, push the adapters alone after the base weights' first push; False: merge them and push
+            the whole model.
         llm_kwargs: further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": false}``).
 
     Example::
@@ -138,6 +163,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        push_adapters: bool = True,
         llm_kwargs: dict | None = None,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -150,7 +176,11 @@ class VLLMEngine(RolloutEngine):
         self.batch_limits = batch_limits(max_num_seqs, max_num_batched_tokens, self.llm_kwargs)
         self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
         self.enforce_eager, self.sleep, self.dtype, self.max_model_len = enforce_eager, sleep, dtype, max_model_len
+        self.push_adapters = push_adapters
         self.llm = None
+        self.adapter: ColocatedAdapter | None = None  # with LoRA pushed as adapters
+        self.pushed_bytes: Counter[str] = Counter()  # bytes pushed, by kind: merged, base, adapter
+        self._unlogged_bytes = 0
         self.sleep_mode = self.weights_discarded = False
         # the vLLM memory tags asleep (sleep mode): both after a training call and at a validation's end, the KV cache alone
         # during a push
@@ -197,6 +227,9 @@ class VLLMEngine(RolloutEngine):
         self.sleep_mode = on_gpu if self.sleep is None else self.sleep
         if self.sleep_mode and not on_gpu:
             raise ValueError("VLLMEngine: sleep mode needs a GPU; set sleep: false (or leave it unset) on a CPU")
+        lora = adapters_to_push(policy.model, self.push_adapters, f"{_ENGINE_KEY}.push_adapters")
+        self.adapter = ColocatedAdapter() if lora is not None else None
+        lora_options = {} if lora is None else {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora), "max_loras": 1}
         self._folder = tempfile.TemporaryDirectory(prefix="lit-cancel-vllm-")
         model.config.save_pretrained(self._folder.name)
         policy.tokenizer.save_pretrained(self._folder.name)
@@ -207,17 +240,6 @@ class VLLMEngine(RolloutEngine):
             reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
             if not any(isinstance(f, RotaryReloadFilter) for f in reload_logger.filters):
                 reload_logger.addFilter(RotaryReloadFilter())
-        distributed = {}
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # every process runs its own engine on its own prompts, each a vLLM world of one in the trainer's process
-            # group. Not vLLM's data parallelism: that steps the engines of all processes together (an all-reduce per
-            # step, dummy batches where nothing is left to sample: LLMEngine.has_unfinished_requests) and hangs
-            # once one process calls generate more often than another.
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            # vLLM's worker takes cuda:LOCAL_RANK: the process's own GPU, whatever the launcher set
-            local_rank = policy.device.index if on_gpu and policy.device.index is not None else os.environ.get("LOCAL_RANK", rank)
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
-            distributed = {"distributed_executor_backend": "external_launcher"}
         with random_state_kept():
             self.llm = LLM(
                 model=self._folder.name,
@@ -230,19 +252,26 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 seed=0,  # what vLLM draws with when a request has no seed: greedy requests only (prompt_seeds)
                 **memory,
-                **distributed,
+                **one_engine_per_process(policy.device),
                 **logging_options,
-                **self.llm_kwargs,
+                **{**lora_options, **self.llm_kwargs},
             )
+        self.weights_discarded = True  # placeholders until the first push
 
     def sync(self, policy: PolicyWeights) -> float:
         started = time.perf_counter()
         if self.llm is None:
             self.build(policy)
         self._wake(["weights"])  # the KV cache stays released while the gathered weights take memory
-        weights = merged_weights(policy.model, self.llm.model_config.dtype)  # gathered one by one as vLLM loads them
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        dtype, pushed = self.llm.model_config.dtype, sum(self.pushed_bytes.values())
+        if self.adapter is None or self.weights_discarded:  # pushing adapters, the base weights go once
+            kind = "merged" if self.adapter is None else "base"
+            weights = merged_weights(policy.model, dtype, adapters=self.adapter is None)  # gathered one by one as vLLM loads them
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(weights, self.pushed_bytes, kind)})
+        if self.adapter is not None:
+            self.pushed_bytes["adapter"] += self.adapter.push(self.llm, policy.model, dtype)
         self.llm.reset_prefix_cache()
+        self._unlogged_bytes += sum(self.pushed_bytes.values()) - pushed
         self.weights_discarded = False
         return time.perf_counter() - started
 
@@ -259,8 +288,9 @@ class VLLMEngine(RolloutEngine):
         # level 2: weights and KV cache discarded, no copy in host memory; the next push overwrites the weights, and
         # vLLM keeps the buffers (rotary tables) in host memory and restores them when the weights wake
         # (Worker.sleep and Worker.wake_up, vllm/v1/worker/gpu_worker.py)
-        self.llm.sleep(level=2)
-        self.asleep, self.weights_discarded = set(_SLEEP_TAGS), True
+        level = 2 if self.adapter is None else 1
+        self.llm.sleep(level=level)
+        self.asleep, self.weights_discarded = set(_SLEEP_TAGS), level == 2
 
     def release(self) -> None:
         """With sleep mode, sleeps if a validation's or an agent's calls left the engine awake: training takes the memory back."""
@@ -289,7 +319,8 @@ class VLLMEngine(RolloutEngine):
         per_prompt = [params.clone() for _ in prompts]
         for prompt_params, seed in zip(per_prompt, prompt_seeds(len(prompts), num_samples), strict=True):
             prompt_params.seed = None if greedy else seed
-        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        lora = self.adapter and self.adapter.request
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=lora)
         if self.sleep_mode and not (request.validation or request.keep):
             self._sleep()
 
@@ -298,4 +329,7 @@ class VLLMEngine(RolloutEngine):
         logprobs = None if greedy else [
             [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
         ]
-        return sampled_completions(input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds)
+        stats, self._unlogged_bytes = {"perf/weight_push_bytes": float(self._unlogged_bytes)}, 0
+        return sampled_completions(
+            input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds, stats=stats
+        )

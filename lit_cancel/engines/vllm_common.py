@@ -7,7 +7,7 @@ import logging
 import os
 import random
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -77,6 +77,8 @@ _START_UP_NOTICES = {
     "vllm.v1.worker.cpu_worker": ("%s is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`"),
     # the engine sets OMP_NUM_THREADS to the training's threads on purpose
     "vllm.utils.torch_utils": ("OMP_NUM_THREADS=%s is set",),
+    # an adapter's folder holds no tokenizer of its own: the base model's serves, as it should
+    "vllm.v1.engine.input_processor": ("vLLM has deprecated support for supporting different tokenizers",),
 }
 
 
@@ -117,7 +119,7 @@ def prompt_seeds(prompts: int, num_samples: int, first_seed: int | None = None) 
     return [first_seed + index * num_samples for index in range(prompts)]
 
 
-def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+def merged_weights(model: nn.Module, dtype: torch.dtype | None = None, adapters: bool = True) -> Iterator[tuple[str, Tensor]]:
     """The weights of ``model`` one at a time, as ``(name, tensor)`` under its Hugging Face checkpoint names, LoRA
     adapters merged, full tensors, floating-point ones cast to ``dtype`` when given (the engine's: vLLM warns at every
     weight it has to cast).
@@ -141,6 +143,7 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
     Args:
         model: the policy's model, a Hugging Face or peft model, sharded or not.
         dtype: the dtype of the floating-point weights yielded; None keeps the model's.
+        adapters: merge the LoRA adapters; False: the base weights alone (for an engine that takes the adapters apart).
     """
     adapted = {}
     if hasattr(model, "peft_config"):
@@ -158,10 +161,19 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
     for name, tensor in model.state_dict().items():
         if ".lora_" in name or name in yielded_with_the_first:
             continue
-        weight = _merged(tensor, adapted.get(name), dtype)
+        weight = _merged(tensor, adapted.get(name) if adapters else None, dtype)
         for each in (name, *other_names.get(name, ())):
             yield each.removeprefix("base_model.model.").replace(".base_layer.", "."), weight
         del weight  # a consumer that drops the weight frees it before the next is gathered
+
+
+def counted(weights: Iterator[tuple[str, Tensor]], tally: Counter, kind: str) -> Iterator[tuple[str, Tensor]]:
+    """``weights`` as they pass, their bytes added to ``tally[kind]``; like :func:`merged_weights` it holds no weight it has
+    yielded."""
+    for name, tensor in weights:
+        tally[kind] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+        del tensor
 
 
 @torch.no_grad()  # not on merged_weights: torch's wrapper of a generator holds each item until the next is made
