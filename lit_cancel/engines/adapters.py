@@ -1,5 +1,4 @@
-"""A LoRA policy's adapters as vLLM loads them: which adapters can go to vLLM alone, the folder one version is written to,
-and the versions an engine keeps loaded.
+"""A LoRA policy's adapters as vLLM loads them: which adapters can go to vLLM alone, and the folder one version is written to.
 
 vLLM keeps the base weights and applies an adapter per request (``LoRARequest`` in the trainer's process, the request's
 ``model`` naming a loaded adapter on a server), so a LoRA run pushes its base weights once and then only the adapters:
@@ -10,7 +9,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections import deque
 
 import torch
 from torch import nn
@@ -37,7 +35,10 @@ def adapter_refusal(model: nn.Module) -> str | None:
     that is not a linear layer of the blocks (embeddings, ``lm_head``), DoRA, ``modules_to_save`` and the other peft
     features vLLM does not load, or a rank above vLLM's largest."""
     config = adapter_config(model)
-    used = [f"{name}={getattr(config, name)!r}" for name, unused in _UNSUPPORTED.items() if getattr(config, name, unused) not in (unused, [], {})]
+    used = [
+        f"{name}={getattr(config, name)!r}" for name, unused in _UNSUPPORTED.items()
+        if getattr(config, name, unused) not in (unused, [], {})
+    ]
     if used:
         return f"vLLM does not load adapters with {', '.join(used)}"
     from peft.tuners.lora import LoraLayer
@@ -87,32 +88,6 @@ def write_adapter(model: nn.Module, folder: str, dtype: torch.dtype, write: bool
     return sum(tensor.numel() * tensor.itemsize for tensor in tensors.values())
 
 
-class AdapterVersions:
-    """The adapter versions an engine keeps loaded, oldest first: at most ``keep`` (a rollout sampled ahead finishes
-    under its own version while newer ones load).
-
-    Args:
-        keep: how many versions stay loaded, ``max_staleness + 1``.
-    """
-
-    def __init__(self, keep: int):
-        if keep < 1:
-            raise ValueError(f"AdapterVersions: keep must be >= 1, got {keep}")
-        self.keep = keep
-        self.loaded: deque[str] = deque()
-
-    def add(self, label: str) -> list[str]:
-        """Notes ``label`` as loaded; returns the versions to unload, the oldest beyond ``keep``."""
-        self.loaded.append(label)
-        return [self.loaded.popleft() for _ in range(len(self.loaded) - self.keep)]
-
-    def __contains__(self, label: str) -> bool:
-        return label in self.loaded
-
-    def clear(self) -> None:
-        self.loaded.clear()
-
-
 def adapters_to_push(model: nn.Module, push_adapters: bool, option: str):
     """The ``LoraConfig`` of the adapters an engine pushes apart from the base weights; None where it pushes the weights
     merged: the policy has no adapters, ``push_adapters`` is False, or vLLM cannot take them as an adapter (said in one
@@ -152,3 +127,10 @@ class ColocatedAdapter:
             llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return size
+
+
+def adapter_server_args(config, keep: int) -> list[str]:
+    """The arguments of a vLLM server that loads adapters of ``config`` at run time, ``keep`` versions at once (and one
+    more in its host memory, so that none it still serves is dropped as a new one loads)."""
+    return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(config)), "--max-loras", str(keep),
+            "--max-cpu-loras", str(keep + 1)]

@@ -91,8 +91,10 @@ class LaunchedServer:
                 f"{_ENGINE_KEY}.kv_cache_memory_bytes", f"{_ENGINE_KEY}.max_model_len", max_new_tokens,
             ))
 
-    def start(self, policy: PolicyWeights, dtype: str) -> str:
-        """Starts the server on the policy's current weights in ``dtype``; returns its URL once it answers."""
+    def start(self, policy: PolicyWeights, dtype: str, adapter_args: list[str] | None = None) -> str:
+        """Starts the server on the policy's current weights in ``dtype`` (with ``adapter_args``, those of
+        :func:`~lit_cancel.engines.adapters.adapter_server_args`: loading a LoRA run's adapters); returns its URL once it
+        answers."""
         self.folder = folder = tempfile.mkdtemp(prefix="lit-cancel-server-")
         policy.base_model.config.save_pretrained(folder)
         policy.tokenizer.save_pretrained(folder)
@@ -101,7 +103,8 @@ class LaunchedServer:
         on_cpu = policy.device.type == "cpu"
         kv_bytes = self.kv_cache_memory_bytes or (CPU_KV_CACHE if on_cpu else None)
         port = free_port()
-        command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, self.server_args)
+        server_args = [*(adapter_args or []), *self.server_args]
+        command = server_command(folder, "127.0.0.1", port, dtype, self.max_model_len, kv_bytes, on_cpu, server_args)
         log_path = os.path.join(folder, "server.log")
         self.process = start_server(command, self.server_cpus, log_path, folder)
         if self.trainer_cpus:

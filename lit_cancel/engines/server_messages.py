@@ -9,6 +9,9 @@ each; the server reports, per completion, the labels of the weights that sampled
 
 In vLLM's terms the request is the body of ``POST /inference/v1/generate`` (token ids in, token ids
 and per-token log-probs out) and the label is the weights version set by ``POST /update_weight_version``.
+
+A LoRA run pushing adapters labels the base weights ``"{run}/base"`` and names each version's adapter by its label; a
+request names the adapter it samples with (the body's ``model``), and its completions count as that version's.
 """
 
 from dataclasses import dataclass
@@ -42,6 +45,8 @@ class RolloutRequest:
     options: ServerSampling
     seed: int | None
     oldest_step: int
+    adapter: str | None = None
+    """The LoRA adapter (a version's label) the server samples with; None: the server's weights alone."""
 
     def body(self) -> dict:
         """The JSON body of vLLM's token-in/token-out generate route."""
@@ -56,7 +61,7 @@ class RolloutRequest:
             **({} if options.greedy else {"logprobs": 0, "seed": self.seed}),
             **dict(options.extra),
         }
-        return {"token_ids": list(self.prompt_ids), "sampling_params": params}
+        return {"token_ids": list(self.prompt_ids), "sampling_params": params, **({"model": self.adapter} if self.adapter else {})}
 
 
 @dataclass
@@ -72,6 +77,11 @@ class RolloutResult:
 def version_label(run: str, push: int) -> str:
     """The label the trainer gives the weights of its ``push``-th push in run ``run``."""
     return f"{run}/{push}"
+
+
+def base_label(run: str) -> str:
+    """The label of run ``run``'s base weights on a server that takes its versions as adapters."""
+    return f"{run}/base"
 
 
 def version_push(label: str) -> int:
@@ -109,6 +119,10 @@ def parse_result(response: dict, request: RolloutRequest, pushed: dict[str, int]
             f"{server} sampled one group with weights {sorted(labels)}: a group must come from one weights version"
         )
     label = labels.pop()
+    if request.adapter is not None:  # the base weights sampled with the version's adapter
+        if label != base_label(request.adapter.rpartition("/")[0]):
+            raise StaleRolloutError(f"{server} sampled with base weights labelled {label!r}, not this run's")
+        label = request.adapter
     step = pushed.get(label)
     if label.endswith(LOADING):
         raise StaleRolloutError(f"{server} sampled while its weights were being replaced (label {label!r}): a transfer did not complete")

@@ -99,9 +99,11 @@ class ServerClient:
         self._lock = threading.Lock()
         self._watching = False
 
-    def call(self, path: str, body: dict | None = None, method: str = "POST", timeout: float | None = None) -> dict | None:
-        """The JSON answer of ``path``; :class:`ServerError` naming the server when it cannot be had. Without ``timeout``
-        the call may take the client's ``timeout``, and is watched (see the class)."""
+    def call(self, path: str, body: dict | None = None, method: str = "POST", timeout: float | None = None,
+             answers_json: bool = True) -> dict | None:
+        """The JSON answer of ``path`` (None where it has none, or ``answers_json`` is False: a route that answers in words);
+        :class:`ServerError` naming the server when it cannot be had. Without ``timeout`` the call may take the client's
+        ``timeout``, and is watched (see the class)."""
         watched = timeout is None and self.answer_within is not None
         if timeout is None:
             timeout = self.timeout
@@ -133,7 +135,7 @@ class ServerClient:
         if response.status >= 400:
             raise ServerError(f"vLLM server {self.url}{path} answered {response.status}: {text.decode(errors='replace')[:300]}")
         self.answered = time.monotonic()
-        return json.loads(text) if text else None
+        return json.loads(text) if text and answers_json else None
 
     def give_up(self, reason: str, before: float | None = None) -> None:
         """Fails the watched calls in flight that started before ``before`` (None: all of them) with ``reason``."""
@@ -215,6 +217,22 @@ class ServerClient:
         self._saw_label(label)
         self.call("/resume")
 
+    def adapters(self) -> set[str]:
+        """The names of the LoRA adapters the server holds."""
+        models = self.call("/v1/models", method="GET", timeout=30)["data"]
+        return {model["id"] for model in models if model.get("parent")}
+
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Loads the LoRA adapter in ``folder`` as ``name``, while the server samples; one loaded already stays."""
+        try:
+            self.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, answers_json=False)
+        except ServerError as error:
+            if "has already been loaded" not in str(error):  # by another trainer process
+                raise
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        self.call("/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout, answers_json=False)
+
     def check(self) -> None:
         """Raises ServerError in one line when the server is unreachable or lacks the routes the trainer needs."""
         if not self.healthy():
@@ -254,9 +272,12 @@ def server_command(
     return command + list(extra_args)
 
 
-def server_environment(cpus: list[int] | None) -> dict[str, str]:
-    """The server's environment: the trainer's routes on, and with ``cpus`` its threads on those cores only."""
+def server_environment(cpus: list[int] | None, command: list[str]) -> dict[str, str]:
+    """The environment of a server started with ``command``: the trainer's routes on (those that load LoRA adapters
+    where the command enables them), and with ``cpus`` its threads on those cores only."""
     environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if "--enable-lora" in command:
+        environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     environment.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if cpus:
         environment.update(OMP_NUM_THREADS=str(len(cpus)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
@@ -274,7 +295,7 @@ def start_server(command: list[str], cpus: list[int] | None, log_path: str, fold
     ``TMPDIR``); the watchdog removes it with the server, the caller after :func:`stop_server`. The server's processes carry the
     run folder this process trains in (:data:`RUN_FOLDER_VARIABLE`, where set), by which a later run of that folder finds a
     server left running (:func:`stop_servers_left_by`)."""
-    environment = server_environment(cpus)
+    environment = server_environment(cpus, command)
     if folder is not None and len(os.fsencode(temporary := os.path.join(folder, "tmp"))) <= _LONGEST_SOCKET_FOLDER:
         os.makedirs(temporary, exist_ok=True)
         environment["TMPDIR"] = temporary

@@ -24,7 +24,6 @@ import logging
 import os
 import tempfile
 import time
-from collections import Counter
 
 import torch
 
@@ -34,6 +33,7 @@ from lit_cancel.engines.vllm_common import (
     CPU_KV_CACHE,
     INSTALL_HINT,
     VLLM_OPTIONS,
+    PushedBytes,
     RotaryReloadFilter,
     counted,
     engine_dtype,
@@ -179,8 +179,7 @@ class VLLMEngine(RolloutEngine):
         self.push_adapters = push_adapters
         self.llm = None
         self.adapter: ColocatedAdapter | None = None  # with LoRA pushed as adapters
-        self.pushed_bytes: Counter[str] = Counter()  # bytes pushed, by kind: merged, base, adapter
-        self._unlogged_bytes = 0
+        self.pushed_bytes = PushedBytes()
         self.sleep_mode = self.weights_discarded = False
         # the vLLM memory tags asleep (sleep mode): both after a training call and at a validation's end, the KV cache alone
         # during a push
@@ -263,15 +262,14 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             self.build(policy)
         self._wake(["weights"])  # the KV cache stays released while the gathered weights take memory
-        dtype, pushed = self.llm.model_config.dtype, sum(self.pushed_bytes.values())
+        dtype = self.llm.model_config.dtype
         if self.adapter is None or self.weights_discarded:  # pushing adapters, the base weights go once
             kind = "merged" if self.adapter is None else "base"
             weights = merged_weights(policy.model, dtype, adapters=self.adapter is None)  # gathered one by one as vLLM loads them
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(weights, self.pushed_bytes, kind)})
         if self.adapter is not None:
-            self.pushed_bytes["adapter"] += self.adapter.push(self.llm, policy.model, dtype)
+            self.pushed_bytes.add("adapter", self.adapter.push(self.llm, policy.model, dtype))
         self.llm.reset_prefix_cache()
-        self._unlogged_bytes += sum(self.pushed_bytes.values()) - pushed
         self.weights_discarded = False
         return time.perf_counter() - started
 
@@ -329,7 +327,7 @@ class VLLMEngine(RolloutEngine):
         logprobs = None if greedy else [
             [step[token].logprob for step, token in zip(sample.logprobs, tokens)] for sample, tokens in zip(samples, completions)
         ]
-        stats, self._unlogged_bytes = {"perf/weight_push_bytes": float(self._unlogged_bytes)}, 0
         return sampled_completions(
-            input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds, stats=stats
+            input_ids, num_samples, completions, logprobs, options.pad_token_id, sync_seconds=sync_seconds,
+            stats=self.pushed_bytes.report(),
         )

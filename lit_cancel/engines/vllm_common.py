@@ -167,11 +167,29 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None, adapters:
         del weight  # a consumer that drops the weight frees it before the next is gathered
 
 
-def counted(weights: Iterator[tuple[str, Tensor]], tally: Counter, kind: str) -> Iterator[tuple[str, Tensor]]:
-    """``weights`` as they pass, their bytes added to ``tally[kind]``; like :func:`merged_weights` it holds no weight it has
-    yielded."""
+class PushedBytes(Counter):
+    """The bytes an engine pushed, by kind (``merged``: whole models, ``base``: base weights, ``adapter``: LoRA adapters),
+    and how many of them the next call's statistics report (``perf/weight_push_bytes``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unreported = 0
+
+    def add(self, kind: str, size: int) -> None:
+        self[kind] += size
+        self.unreported += size
+
+    def report(self) -> dict[str, float]:
+        """``perf/weight_push_bytes``: the bytes pushed since the last report."""
+        stats, self.unreported = {"perf/weight_push_bytes": float(self.unreported)}, 0
+        return stats
+
+
+def counted(weights: Iterator[tuple[str, Tensor]], tally: PushedBytes, kind: str) -> Iterator[tuple[str, Tensor]]:
+    """``weights`` as they pass, their bytes added to ``tally`` under ``kind``; like :func:`merged_weights` it holds no
+    weight it has yielded."""
     for name, tensor in weights:
-        tally[kind] += tensor.numel() * tensor.element_size()
+        tally.add(kind, tensor.numel() * tensor.element_size())
         yield name, tensor
         del tensor
 

@@ -4,8 +4,9 @@
 to one of its servers (:mod:`lit_cancel.engines.server_process`), spreading groups over the servers; an agent's
 next turn goes back to the server that sampled its last one (:mod:`lit_cancel.engines.prefix_routes`). After the
 policy changed, the next rollout first pushes its weights to every server as a new version, labelled
-with the run and the optimizer step; every completion comes back with the label of the weights that
-sampled it, and one that is not a version of this run, or older than allowed, is refused.
+with the run and the optimizer step (:mod:`lit_cancel.engines.weight_pushes`: the whole model, or a LoRA run's
+adapter); every completion comes back with the label of the weights that sampled it, and one that is not a version of
+this run, or older than allowed, is refused.
 
 With ``max_staleness: 0`` (synchronous) a round is sampled by exactly the weights it trains, as with
 the other engines. With ``max_staleness: k`` the rollout producer asks for up to ``k`` later draws of
@@ -22,22 +23,19 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import Future
 
 import torch
-from torch import Tensor
 
+from lit_cancel.engines.adapters import adapter_server_args, adapters_to_push
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions, in_background
-from lit_cancel.engines.launched_server import LaunchedServer, write_weights
+from lit_cancel.engines.launched_server import LaunchedServer
 from lit_cancel.engines.prefix_routes import PrefixRoutes
 from lit_cancel.engines.server_messages import (
     RolloutRequest,
     RolloutResult,
     ServerSampling,
     StaleRolloutError,
-    holds_older,
     parse_result,
     version_label,
 )
@@ -45,28 +43,13 @@ from lit_cancel.engines.server_process import ServerClient, ServerError
 from lit_cancel.engines.vllm_common import (
     VLLM_OPTIONS,
     engine_dtype,
-    merged_weights,
     prompt_seeds,
     sampled_completions,
     sampling_options,
 )
+from lit_cancel.engines.weight_pushes import AdapterPush, FullPush
 
 _ENGINE_KEY = "model.init_args.engine.init_args"
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def load_everywhere(folder: str, label: str, clients: list[ServerClient]) -> None:
-    """Has every server load the weights in ``folder`` as the version ``label``, all at once; a server that is down is
-    skipped: it gets the weights when it answers again (VLLMServerEngine._current)."""
-    loads = [in_background(client.load_weights, folder, label) for client in clients]
-    for load in loads:
-        try:
-            load.result()
-        except ServerError:
-            pass
 
 
 def check_reachable(urls: list[str]) -> None:
@@ -76,24 +59,6 @@ def check_reachable(urls: list[str]) -> None:
             ServerClient(url).check()
         except ServerError as error:
             raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
-
-
-def push_weights(weights: Iterable[tuple[str, Tensor]], folder: str, label: str, clients: list[ServerClient]) -> None:
-    """Process 0 writes ``weights`` to ``folder`` and has every server load them as the version ``label``
-    (:func:`load_everywhere`); the other processes take part in each gather of a sharded weight and keep nothing. The
-    servers load once every process is here, so no process samples with the weights they replace any more
-    (VLLMServerEngine.sync finished its draws first). Returns once every process is done."""
-    distributed = torch.distributed.is_initialized()
-    if _rank() == 0:
-        write_weights(weights, folder)
-    else:
-        deque(weights, maxlen=0)
-    if distributed:
-        torch.distributed.barrier()
-    if _rank() == 0:
-        load_everywhere(folder, label, clients)
-    if distributed:
-        torch.distributed.barrier()
 
 
 def group_requests(request: SampleRequest, oldest_step: int, first_seed: int | None = None) -> tuple[RolloutRequest, ...]:
@@ -117,10 +82,11 @@ class VLLMServerEngine(RolloutEngine):
 
     Each prompt's ``group_size`` samples are one request, so a group always comes from one weights
     version. Weights reach the servers as safetensors files in ``weights_dir``, which every server
-    must be able to read. Before sampling, a server that does not hold the current version (one that
-    restarted, or whose transfer stopped half-way) gets it first. A request whose server stops
-    answering (its connection refused, no answer for ``server_timeout`` seconds, or another server
-    answering at its URL: :class:`~lit_cancel.engines.server_process.ServerClient`) is given up and sent to the next
+    must be able to read; with LoRA (``push_adapters``) the base weights once per server and then each version's
+    adapter, loaded while the servers sample, the newest ``max_staleness + 1`` kept loaded. Before sampling, a server
+    that does not hold the current version (one that restarted, or whose transfer stopped half-way) gets it first. A
+    request whose server stops answering (its connection refused, no answer for ``server_timeout`` seconds, or another
+    server answering at its URL: :class:`~lit_cancel.engines.server_process.ServerClient`) is given up and sent to the next
     server; when none answered for ``server_timeout`` seconds the run stops with an error naming the servers
     (the run's checkpoint callback saves ``last.ckpt``). A launched server is stopped with all its processes
     when the engine closes, at the latest (by its watchdog) when the trainer's process ends, even by kill -9.
@@ -147,6 +113,7 @@ class VLLMServerEngine(RolloutEngine):
         max_model_len: the launched server's longest prompt plus completion; None: the model's.
         kv_cache_memory_bytes: the launched server's KV cache; None: 1 GiB without a GPU.
         server_args: further command-line arguments of the launched server (``vllm serve``'s).
+        push_adapters: with LoRA, push each version's adapter alone; False: merge them and push the whole model.
 
     Example::
 
@@ -171,6 +138,7 @@ class VLLMServerEngine(RolloutEngine):
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         server_args: list[str] | None = None,
+        push_adapters: bool = True,
     ):
         self.urls = [url.rstrip("/") for url in urls or []]
         if launch == bool(self.urls):
@@ -185,14 +153,15 @@ class VLLMServerEngine(RolloutEngine):
             raise ValueError(f"{_ENGINE_KEY}: server_cpus, trainer_cpus and server_args are for a launched server (launch: true)")
         self.launch, self.max_staleness, self.weights_dir = launch, max_staleness, weights_dir
         self.request_timeout, self.server_timeout, self.dtype = request_timeout, server_timeout, dtype
+        self.push_adapters = push_adapters
         self.server = LaunchedServer(
             server_cpus, trainer_cpus, startup_timeout, max_model_len, kv_cache_memory_bytes, list(server_args or [])
         ) if launch else None
         self.clients: list[ServerClient] = []
         self.run = ""
-        # the optimizer step of the weights on the servers, their label and folder; every label this run pushed, with its step
+        # how versions reach the servers; the optimizer step of the current one; every label this run pushed, with its step
+        self.pushes: FullPush | AdapterPush | None = None
         self.step: int | None = None
-        self.label, self.folder = "", None
         self.pushed: dict[str, int] = {}
         self.version_changed = threading.Condition()
         self.closed = False
@@ -218,16 +187,19 @@ class VLLMServerEngine(RolloutEngine):
         if self.weights_dir is None and (not distributed or torch.distributed.get_rank() == 0):
             self.weights_dir = tempfile.mkdtemp(prefix="lit-cancel-weights-")
             self._temporary.append(self.weights_dir)
-        # every process names the folders rank 0 writes: any of them may push the current ones to a server (_current)
+        # every process names the folders rank 0 writes: any of them may push the current ones to a server (ready)
         shared = [uuid.uuid4().hex[:8], self.weights_dir]
         if distributed:
             torch.distributed.broadcast_object_list(shared, src=0)
         self.run, self.weights_dir = shared
         os.makedirs(self.weights_dir, exist_ok=True)
+        lora = adapters_to_push(policy.model, self.push_adapters, f"{_ENGINE_KEY}.push_adapters")
+        keep = self.max_staleness + 1
+        self.pushes = FullPush(self.weights_dir) if lora is None else AdapterPush(self.weights_dir, self.run, keep)
         atexit.register(self.close)  # the launched server and the temporary folders go with the process, however it ends
         if self.server is not None:
             try:
-                self.urls = [self.server.start(policy, self._dtype(policy))]
+                self.urls = [self.server.start(policy, self._dtype(policy), lora and adapter_server_args(lora, keep))]
             except BaseException:  # a server that failed to start, or a Ctrl-C while it started: none is left running
                 self.close()
                 raise
@@ -249,6 +221,8 @@ class VLLMServerEngine(RolloutEngine):
             self.version_changed.notify_all()
         for client in self.clients:  # a server does not stop while it still answers requests
             client.give_up("the engine was closed")
+        if self.pushes is not None:
+            self.pushes.close(self.clients)
         if self.server is not None:
             self.server.stop()
             self.urls = []
@@ -265,29 +239,18 @@ class VLLMServerEngine(RolloutEngine):
         # draws the servers may sample with the weights they hold finish on them first (the trainer waits for them here,
         # as the servers would, paused, until they finish): so every group of a draw comes from one weights version
         for future, oldest_step in list(self.ahead.values()):
-            if self.step is not None and oldest_step <= self.step:
+            if self.pushes.pauses and self.step is not None and oldest_step <= self.step:
                 future.exception()
-        step = policy.step
-        weights = merged_weights(policy.model, getattr(torch, self._dtype(policy)))
         label = version_label(self.run, len(self.pushed))
-        folder = os.path.join(self.weights_dir, label.replace("/", "-"))
-        self.pushed[label] = step
-        push_weights(weights, folder, label, self.clients)
-        previous = self.folder
+        self.pushed[label] = policy.step
+        self.pushes.push(policy, getattr(torch, self._dtype(policy)), label, self.clients)
         with self.version_changed:
-            self.step, self.label, self.folder = step, label, folder
+            self.step = policy.step
             self.version_changed.notify_all()
-        if _rank() == 0 and previous not in (None, folder):
-            shutil.rmtree(previous, ignore_errors=True)
         return time.perf_counter() - started
 
     def _dtype(self, policy: PolicyWeights) -> str:
         return engine_dtype(self.dtype, next(policy.model.parameters()).dtype, policy.device)
-
-    def _current(self, client: ServerClient) -> None:
-        """Gives ``client`` the current weights where it holds older ones (:func:`holds_older`)."""
-        if holds_older(client.label(), self.label):
-            client.load_weights(self.folder, self.label)
 
     def _generate(self, request: RolloutRequest) -> RolloutResult:
         """One request's result from the first server that answers it with acceptable weights. The request is sent again
@@ -302,8 +265,8 @@ class VLLMServerEngine(RolloutEngine):
                 index = self.routes.choose(request.prompt_ids if index is None else None, len(self.clients))
             client = self.clients[index]
             try:
-                self._current(client)
-                result = parse_result(client.generate(request), request, self.pushed, client.url)
+                sent = self.pushes.ready(client, request)  # the client first gets the current version where it lacks it
+                result = parse_result(client.generate(sent), sent, self.pushed, client.url)
                 self.routes.remember(request.prompt_ids, result.completion_ids, index)
                 return result
             except (StaleRolloutError, ServerError) as error:  # a stale server is pushed the weights before the next try
@@ -351,7 +314,7 @@ class VLLMServerEngine(RolloutEngine):
         else:
             results, server_wait = self._draw(requests)
         stats = {"perf/trainer_wait_s": time.perf_counter() - started, "perf/server_wait_s": server_wait,
-                 "perf/prefix_routed_tokens": float(self.routes.taken_routed_tokens())}
+                 "perf/prefix_routed_tokens": float(self.routes.taken_routed_tokens()), **self.pushes.pushed_bytes.report()}
         if self.max_staleness:
             stats["rollout/queue_depth"] = float(queued)
         return completions_of(request, results, stats)

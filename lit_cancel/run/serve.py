@@ -143,6 +143,7 @@ class ServeSetup:
         self.model_path = self.arguments.get("model_path", "embedded:tiny-adder")
         self._check_model()
         self.vllm_options: dict = {}
+        self.adapter_args: list[str] = []  # a LoRA run's adapters are loaded at run time
         self.model = self.tokenizer = None
         self.on_cpu = True
 
@@ -197,6 +198,24 @@ class ServeSetup:
                 self.kv_cache_option or "--kv-cache-memory-bytes", self.max_model_len_option or "--max-model-len",
                 self.arguments.get("max_new_tokens", 64),
             ))
+        self._adapters()
+
+    def _adapters(self) -> None:
+        """With the config's LoRA pushed as adapters, the arguments that let the server load them (the trainer pushes the
+        base weights once, then each version's adapter)."""
+        from lit_cancel.engines.adapters import adapter_server_args, adapters_to_push
+        from lit_cancel.lora import LoRA
+
+        lora = self.arguments.get("lora")
+        if not lora or not self.engine.get("push_adapters", True):
+            return
+        try:
+            adapted = LoRA(**lora).apply(self.model)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--config {self.config}: model.init_args.lora: {error}") from None
+        config = adapters_to_push(adapted, True, "model.init_args.engine.init_args.push_adapters")
+        if config is not None:
+            self.adapter_args = adapter_server_args(config, int(self.engine.get("max_staleness", 0)) + 1)
 
     def command(self) -> list[str]:
         """The server's command line: vLLM reads the config's model folder where it lies, in the server's dtype (nothing
@@ -204,7 +223,9 @@ class ServeSetup:
         from lit_cancel.hub import resolve_model_path
 
         folder = str(resolve_model_path(self.model_path))
-        return server_command(folder, self.host, self.port, self.dtype, self.max_model_len, self.kv_cache, self.on_cpu, self.extra)
+        return server_command(
+            folder, self.host, self.port, self.dtype, self.max_model_len, self.kv_cache, self.on_cpu, [*self.adapter_args, *self.extra]
+        )
 
 
 def _setting(given, option: str, configured, config_key: str) -> tuple:
@@ -289,4 +310,4 @@ def main(argv: list[str]) -> int:
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     print(f"serving at {setup.host}:{setup.port}:\n  {' '.join(command)}", flush=True)
-    os.execve(command[0], command, server_environment(setup.cpus))
+    os.execve(command[0], command, server_environment(setup.cpus, command))

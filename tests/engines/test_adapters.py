@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from lit_cancel.engines.adapters import AdapterVersions, adapter_refusal, vllm_max_lora_rank, write_adapter
+from lit_cancel.engines.adapters import adapter_refusal, vllm_max_lora_rank, write_adapter
 from lit_cancel.hub import load_causal_lm
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,12 +56,3 @@ def test_an_adapter_is_written_as_peft_saves_it_and_loads_back_into_the_same_mod
     for name, parameter in loaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(parameter, adapters[name].to(torch.bfloat16).to(parameter.dtype))
-
-
-def test_the_versions_beyond_keep_are_unloaded_oldest_first():
-    versions = AdapterVersions(keep=2)
-    assert versions.add("run/0") == [] and versions.add("run/1") == []
-    assert versions.add("run/2") == ["run/0"]
-    assert "run/1" in versions and "run/0" not in versions
-    with pytest.raises(ValueError, match="keep must be >= 1"):
-        AdapterVersions(keep=0)

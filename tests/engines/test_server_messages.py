@@ -1,5 +1,5 @@
 """The trainer/server message and the server engine's checks that need no server (the engine needs no vLLM in the trainer)."""
-
+from dataclasses import replace
 
 import pytest
 
@@ -48,6 +48,19 @@ def test_a_group_from_weights_that_are_mixed_unknown_loading_or_too_old_is_refus
     response = {"choices": [choice(0, [8, 1], first), choice(1, [9, 1], second)]}
     with pytest.raises(StaleRolloutError, match=message):
         parse_result(response, REQUEST, pushed, "http://s")
+
+
+def test_a_group_sampled_with_a_versions_adapter_counts_as_that_version_over_this_runs_base_weights_alone():
+    request = replace(REQUEST, adapter="run/2")
+    assert request.body()["model"] == "run/2" and "model" not in REQUEST.body()
+    response = {"choices": [choice(index, [8, 1], [("run/base", 0, 2)]) for index in range(2)]}
+    assert parse_result(response, request, {"run/1": 3, "run/2": 5}, "http://s").step == 5
+    with pytest.raises(StaleRolloutError, match="the weights of step 3, older than step 4"):
+        parse_result(response, replace(request, adapter="run/1"), {"run/1": 3, "run/2": 5}, "http://s")
+    for label in ("default", "other/base", "run/2"):
+        response = {"choices": [choice(index, [8, 1], [(label, 0, 2)]) for index in range(2)]}
+        with pytest.raises(StaleRolloutError, match=f"sampled with base weights labelled '{label}', not this run's"):
+            parse_result(response, request, {"run/2": 5}, "http://s")
 
 
 def test_a_response_with_fewer_completions_than_asked_is_refused():

@@ -3,6 +3,7 @@ routes (no vLLM): every server loads at once, and no process puts older weights 
 vLLM servers are in tests/engines/test_vllm_server.py."""
 
 import json
+import os
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,16 +12,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_cancel import VLLMServerEngine
-from lit_cancel.engines.base import in_background
+from lit_cancel import LoRA, VLLMServerEngine
+from lit_cancel.engines.base import PolicyWeights, in_background
 from lit_cancel.engines.prefix_routes import PrefixRoutes
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, version_label
 from lit_cancel.engines.server_process import ServerClient, free_port
-from lit_cancel.engines.vllm_servers import push_weights
+from lit_cancel.engines.weight_pushes import FullPush, push_weights
+from lit_cancel.hub import load_causal_lm
+from lit_cancel.sharding import ModelRoot
 
 RUN = "run"
 REQUEST = RolloutRequest((5, 6), 2, ServerSampling(1.0, 1.0, 1, (1,)), seed=0, oldest_step=1)
 WEIGHTS = [("weight", torch.zeros(2))]
+
+
+class StandInError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class StandInServer:
@@ -31,6 +40,10 @@ class StandInServer:
     def __init__(self):
         self.label, self.weights, self.paused = "default", None, False
         self.reloads: list[str] = []
+        self.pauses = 0
+        self.adapters: dict[str, str] = {}  # the LoRA adapters loaded: name, folder
+        self.adapter_loads: list[str] = []
+        self.sampled_with: list[str | None] = []  # each generation's adapter
         self.generations = 0
         self.prompts: list[tuple[int, ...]] = []
         self.reloaded = lambda folder: None
@@ -40,7 +53,19 @@ class StandInServer:
         with self.changed:
             if path == "/weight_info":
                 return {"weight_version": self.label}
+            if path == "/v1/models":
+                return {"data": [{"id": "base", "parent": None}, *({"id": name, "parent": "base"} for name in self.adapters)]}
+            if path == "/v1/load_lora_adapter":
+                if body["lora_name"] in self.adapters:
+                    raise StandInError(400, f"The lora adapter '{body['lora_name']}' has already been loaded.")
+                self.adapters[body["lora_name"]] = body["lora_path"]
+                self.adapter_loads.append(body["lora_name"])
+            elif path == "/v1/unload_lora_adapter":
+                del self.adapters[body["lora_name"]]
+            elif path == "/inference/v1/generate" and body.get("model", "base") not in ("base", *self.adapters):
+                raise StandInError(404, f"The model `{body['model']}` does not exist.")
             if path == "/pause":
+                self.pauses += 1
                 self.paused = True
             elif path == "/resume":
                 self.paused = False
@@ -50,6 +75,7 @@ class StandInServer:
                 self.weights = body["kwargs"]["weights_path"]
                 self.reloads.append(body["kwargs"]["weights_path"])
             elif path == "/inference/v1/generate":
+                self.sampled_with.append(body.get("model"))
                 self.generations += 1
                 self.prompts.append(tuple(body["token_ids"]))
             self.changed.notify_all()
@@ -62,6 +88,10 @@ class StandInServer:
             choice = {"token_ids": [1], "weight_versions": span, "logprobs": {"content": [{"logprob": -1.0}]}}
             return {"choices": [{"index": index, **choice} for index in range(body["sampling_params"]["n"])]}
         return {}
+
+    def restart(self) -> None:
+        """What a server started again holds: its start-up weights, no adapters."""
+        self.label, self.adapters = "default", {}
 
     def wait_for(self, condition) -> None:
         with self.changed:
@@ -85,6 +115,8 @@ def stand_in_servers(count: int):
                     self.respond(state.answer(self.path.split("?")[0], body))
                 except threading.BrokenBarrierError:
                     self.send_error(500)
+                except StandInError as error:
+                    self.send_error(error.status, str(error))
 
             def respond(self, answer: dict) -> None:
                 data = json.dumps(answer).encode()
@@ -114,6 +146,7 @@ def engine_at(url: str, push: int, folder: str) -> VLLMServerEngine:
     engine = VLLMServerEngine(urls=[url], server_timeout=30)
     engine.run = RUN
     engine.clients = [ServerClient(url, 30, 30, engine._is_own)]
+    engine.pushes = FullPush(str(folder))
     learn_push(engine, push, folder)
     return engine
 
@@ -121,7 +154,7 @@ def engine_at(url: str, push: int, folder: str) -> VLLMServerEngine:
 def learn_push(engine: VLLMServerEngine, push: int, folder: str) -> None:
     with engine.version_changed:
         engine.pushed |= {version_label(RUN, done): done for done in range(push + 1)}
-        engine.step, engine.label, engine.folder = push, version_label(RUN, push), folder
+        engine.step, engine.pushes.current = push, (version_label(RUN, push), folder)
 
 
 def test_a_process_one_version_behind_leaves_a_newer_push_alone_while_it_loads_and_after(tmp_path):
@@ -164,7 +197,7 @@ def test_a_process_gives_a_server_its_current_weights_only_over_older_ones(tmp_p
     with stand_in_servers(1) as [(server, url)]:
         server.label = label
         engine = engine_at(url, 2, current)
-        engine._current(engine.clients[0])
+        engine.pushes.ready(engine.clients[0], REQUEST)
         assert server.reloads == ([current] if pushes else [])
         assert server.label == ("run/2" if pushes else label)
 
@@ -201,6 +234,7 @@ def test_an_agents_next_turn_goes_back_to_the_server_that_sampled_its_last_and_n
         engine = VLLMServerEngine(urls=urls, server_timeout=30)
         engine.run = RUN
         engine.clients = [ServerClient(url, 30, 30, engine._is_own) for url in urls]
+        engine.pushes = FullPush(str(tmp_path))
         learn_push(engine, 0, str(tmp_path))
         for state, _ in servers:
             state.label = version_label(RUN, 0)
@@ -228,3 +262,51 @@ def test_prefix_routes_take_the_longest_remembered_prefix_retry_in_turn_and_forg
     routes.remember((7,), [], 1)  # a fourth sequence: (1, 2), the oldest, is forgotten
     assert routes.choose((1, 2, 9), 2) == 0  # (1,) is still remembered, on server 0
     assert routes.choose((1, 2, 5), 2) == 1
+
+
+def lora_policy(step: int = 0) -> PolicyWeights:
+    model = LoRA(rank=2, target_modules=["q_proj", "v_proj"]).apply(load_causal_lm("embedded:tiny-adder"))
+    return PolicyWeights(ModelRoot(model), None, step, torch.device("cpu"))
+
+
+def adapter_engine(urls: list[str], tmp_path, max_staleness: int) -> VLLMServerEngine:
+    engine = VLLMServerEngine(urls=urls, server_timeout=30, max_staleness=max_staleness, weights_dir=str(tmp_path))
+    engine.start(lora_policy())
+    return engine
+
+
+def test_a_lora_run_gives_each_server_the_base_weights_once_then_adapters_without_pausing_keeping_max_staleness_plus_one(tmp_path):
+    with stand_in_servers(2) as servers:
+        engine = adapter_engine([url for _, url in servers], tmp_path, max_staleness=1)
+        policy = lora_policy()
+        base_bytes = sum(t.numel() * 4 for name, t in policy.model.state_dict().items() if ".lora_" not in name)
+        adapter_bytes = sum(t.numel() * 4 for name, t in policy.model.state_dict().items() if ".lora_" in name)
+        for step in range(3):
+            engine.sync(PolicyWeights(policy.root, None, step, policy.device))
+        labels = [version_label(engine.run, push) for push in range(3)]
+        for server, _ in servers:
+            assert (server.label, server.reloads, server.pauses) == (f"{engine.run}/base", [str(tmp_path / f"{engine.run}-base")], 1)
+            assert server.adapter_loads == labels
+            assert sorted(server.adapters) == labels[1:]  # the newest max_staleness + 1 versions
+        assert sorted(os.listdir(tmp_path)) == sorted(f"{label.replace('/', '-')}" for label in [f"{engine.run}/base", *labels[1:]])
+        assert engine.pushes.pushed_bytes == {"base": base_bytes, "adapter": 3 * adapter_bytes}
+
+        result = engine._generate(REQUEST)  # named with the current version's adapter, whose step it reports
+        assert [server.sampled_with for server, _ in servers] == [[labels[2]], []] and result.step == 2
+        servers[1][0].adapters["other/0"] = "another run's"
+        engine.close()  # this run's adapters are unloaded, another run's stay
+        assert [server.adapters for server, _ in servers] == [{}, {"other/0": "another run's"}]
+
+
+def test_a_restarted_server_gets_the_base_weights_and_the_current_adapter_before_it_samples(tmp_path):
+    with stand_in_servers(1) as [(server, url)]:
+        engine = adapter_engine([url], tmp_path, max_staleness=0)
+        policy = lora_policy()
+        for step in range(2):
+            engine.sync(PolicyWeights(policy.root, None, step, policy.device))
+        server.restart()
+        assert engine._generate(REQUEST).step == 1
+        current = version_label(engine.run, 1)
+        assert (server.label, server.reloads[-1], list(server.adapters), server.sampled_with) == (
+            f"{engine.run}/base", str(tmp_path / f"{engine.run}-base"), [current], [current]
+        )

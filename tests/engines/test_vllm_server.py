@@ -29,10 +29,12 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import agent_episodes, check_sampled_ahead  # noqa: E402
+from peft import LoraConfig  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from lit_cancel import GRPO, AdditionTask, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
+from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, RunCheckpoint, TokenTruncate  # noqa: E402
 from lit_cancel.agents import ToolAdditionTask  # noqa: E402
+from lit_cancel.engines.adapters import adapter_server_args  # noqa: E402
 from lit_cancel.engines.launched_server import write_weights  # noqa: E402
 from lit_cancel.engines.server_messages import RolloutRequest, ServerSampling, StaleRolloutError, parse_result  # noqa: E402
 from lit_cancel.engines.server_process import (  # noqa: E402
@@ -58,8 +60,8 @@ TOLERANCE = 1e-4
 TINY_ADDER_KV_CACHE_NEED = 4 * 2 * 4 * 32 * 4 * (2 + 1) * 128
 
 
-def start(folder: Path, port: int) -> subprocess.Popen:
-    command = server_command(str(folder), "127.0.0.1", port, "float32", 256, 32 * 2**20, True, [])
+def start(folder: Path, port: int, extra: list[str] = ()) -> subprocess.Popen:
+    command = server_command(str(folder), "127.0.0.1", port, "float32", 256, 32 * 2**20, True, list(extra))
     process = start_server(command, None, str(folder / "server.log"))
     wait_until_healthy(ServerClient(f"http://127.0.0.1:{port}"), process, 300, str(folder / "server.log"))
     return process
@@ -215,6 +217,81 @@ def test_asynchronous_rollouts_run_ahead_and_never_exceed_max_staleness(server, 
     # a stale round's tokens are weighted by pi_proximal / pi_server, which moved away from 1
     assert min(scalars(trainer, "objective/correction_mean")[2:]) < 0.9999
     module.engine.close()
+
+
+LORA = LoRA(rank=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def lora_server_args(max_staleness: int) -> list[str]:
+    return adapter_server_args(LoraConfig(r=LORA.rank), max_staleness + 1)
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_folder):
+    port = free_port()
+    process = start(model_folder, port, lora_server_args(max_staleness=1))
+    yield f"http://127.0.0.1:{port}"
+    stop(process)
+
+
+def lora_sizes(module: RLModule) -> tuple[int, int]:
+    """The bytes of the policy's base weights (every name vLLM loads, a tied weight under each) and of its adapters."""
+    state = module.policy.model.state_dict()
+    base = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
+    return base, sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
+
+
+def test_a_lora_run_pushes_the_base_weights_once_then_adapters_that_sample_as_the_trainer_scores(lora_server, tmp_path):
+    module = server_module(lora_server, lora=LORA, optimizer=partial(torch.optim.SGD, lr=0.5),
+                           objective=GRPO(correction=TokenTruncate()))
+    trainer = fit(module, 3, tmp_path)
+    pushes = module.engine.pushes
+    base, adapter = lora_sizes(module)
+    assert trainer.global_step == 3 and len(module.engine.pushed) == 3
+    assert pushes.pushed_bytes == {"base": base, "adapter": 3 * adapter}
+    assert scalars(trainer, "perf/weight_push_bytes") == [base + adapter, adapter, adapter]
+    # the adapters moved from zero after the first step: measured within 2e-5 of the trainer's, as without adapters
+    assert max(scalars(trainer, "rollout/logprob_mismatch_max")) < TOLERANCE
+    module.engine.close()
+
+
+def test_a_lora_run_sampling_ahead_keeps_max_staleness_plus_one_adapters_loaded(lora_server, tmp_path):
+    module = server_module(lora_server, lora=LORA, optimizer=partial(torch.optim.SGD, lr=0.5),
+                           objective=GRPO(correction=TokenTruncate()), engine_options={"max_staleness": 1})
+    trainer = fit(module, 8, tmp_path, mini_batches=2)
+    assert scalars(trainer, "rollout/staleness_max")[2:] == [1.0] * 6
+    labels = list(module.engine.pushed)
+    assert len(labels) == 4 and ServerClient(lora_server).adapters() == set(labels[-2:])
+    assert module.engine.pushes.pushed_bytes["base"] == lora_sizes(module)[0]
+    module.engine.close()
+
+
+def test_a_restarted_lora_server_gets_the_base_weights_and_the_current_adapter_before_it_samples(model_folder):
+    port = free_port()
+    process = start(model_folder, port, lora_server_args(max_staleness=0))
+    module = server_module(f"http://127.0.0.1:{port}", lora=LORA, temperature=0.8)
+    perturb_adapters(module)
+    torch.manual_seed(0)
+    assert mismatch(module, module.rollout(*prompts(module), num_samples=4)) < TOLERANCE
+    stop(process)
+    process = start(model_folder, port, lora_server_args(max_staleness=0))
+    try:
+        generation = module.rollout(*prompts(module), num_samples=4)
+        assert mismatch(module, generation) < TOLERANCE
+        client = ServerClient(f"http://127.0.0.1:{port}")
+        assert client.label() == f"{module.engine.run}/base" and client.adapters() == set(module.engine.pushed)
+    finally:
+        module.engine.close()
+        stop(process)
+
+
+def perturb_adapters(module: RLModule) -> None:
+    """lora_B starts at zero: noise makes the adapters change the outputs."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in module.policy.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
 
 
 class KillAtStep(L.Callback):
