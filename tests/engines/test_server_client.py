@@ -21,7 +21,15 @@ import pytest
 import torch
 
 from lit_cancel import VLLMServerEngine
-from lit_cancel.engines.server_process import ServerClient, ServerError, free_port, start_server, stop_server, wait_until_healthy
+from lit_cancel.engines.server_process import (
+    ServerClient,
+    ServerError,
+    free_port,
+    server_environment,
+    start_server,
+    stop_server,
+    wait_until_healthy,
+)
 from lit_cancel.engines.server_watchdog import CHECK_EVERY, group_alive
 from lit_cancel.engines.vllm_common import INSTALL_LINES
 from lit_cancel.hub import resolve_model_path
@@ -370,6 +378,24 @@ def test_serve_runs_vllms_server_on_the_configs_model_with_its_engine_settings_u
     setup = ServeSetup(["--config", config, "--max-model-len", "128"])
     setup.load()
     assert dict(zip(command := setup.command(), command[1:]))["--max-model-len"] == "128"
+
+
+@pytest.mark.parametrize(("lora", "engine", "adapter_args"), [
+    ({"rank": 16}, {"max_staleness": 2}, ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3", "--max-cpu-loras", "4"]),
+    ({"rank": 4}, {}, ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras", "2"]),
+    ({"rank": 4}, {"push_adapters": False}, []),  # merged pushes: the server holds one model
+    ({"rank": 1024}, {}, []),  # more than vLLM's adapters take: merged pushes
+    (None, {}, []),
+])
+def test_serve_lets_a_lora_runs_server_load_the_adapters_it_pushes(tmp_path, lora, engine, adapter_args):
+    config = tmp_path / "config.yaml"
+    engine = {"class_path": "lit_cancel.VLLMServerEngine", "init_args": {"urls": ["http://127.0.0.1:8000"], **engine}}
+    config.write_text(json.dumps({"model": {"init_args": {"lora": lora, "engine": engine}}}))  # JSON is YAML
+    setup = ServeSetup(["--config", str(config)])
+    setup.load()
+    command = setup.command()
+    assert command[-len(adapter_args) - 1:] == ["--enforce-eager", *adapter_args]
+    assert server_environment(None, command).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == ("1" if adapter_args else None)
 
 
 def test_serve_applies_fits_overrides_of_the_model_and_passes_the_other_options_on_to_vllm(tmp_path):

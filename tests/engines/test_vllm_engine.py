@@ -476,6 +476,21 @@ def test_quickstart_with_vllm_raises_held_out_accuracy(tmp_path):
     assert mismatch_max < TOLERANCE
 
 
+def test_the_lora_recipe_with_vllm_pushes_the_base_weights_once_then_only_adapters(tmp_path):
+    cli = run_cli(["fit", "--config", str(CONFIG.parent / "lora-vllm.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+                   "--model.init_args.val_samples=1", "--data.init_args.val_batch_size=50", "--data.init_args.task.init_args.val_size=50",
+                   "--data.init_args.prompts_per_round=4"])
+    events = EventAccumulator(cli.trainer.logger.log_dir)
+    events.Reload()
+    base, adapter = lora_sizes(cli.model)
+    # pushes: the validation's before training (base weights and adapter), then the adapter alone before the rounds of steps
+    # 2 and 3 and the last validation; the first round samples with the weights that validation pushed
+    assert cli.model.engine.pushed_bytes == {"base": base, "adapter": 4 * adapter}
+    assert [e.value for e in events.Scalars("perf/weight_push_bytes")] == [0.0, adapter, adapter]
+    assert max(e.value for e in events.Scalars("rollout/logprob_mismatch_max")) < TOLERANCE
+
+
 def test_the_gpu_recipe_with_vllm_trains_with_a_stand_in_model_on_this_cpu(tmp_path, gsm8k_file):
     # vLLM's CPU attention needs a head size of at least 32
     tiny_model_path = save_tiny_model(tmp_path / "model", hidden=128)
