@@ -8,7 +8,7 @@ For each model, ``--servers`` vLLM servers are started as ``lit-cancel serve`` s
 cache), server ``i`` on core ``i`` modulo the machine's cores. Each repeat writes the model's weights as the trainer does
 (``write_weights`` of ``merged_weights``: the same file ``push_weights`` writes) to a new folder, then has the servers reload
 it (``ServerClient.load_weights``: pause, label, ``reload_weights``, prefix cache reset, label, resume): the first server
-alone, every server one after another, and every server at once (``load_everywhere``, what ``push_weights`` does). The
+alone, every server one after another, and every server at once (``on_every_server``, what ``push_weights`` does). The
 file is read back from the page cache, as on one machine; a shared filesystem between machines adds its own transfer.
 The table gives the median over the repeats after one warm-up repeat, and a push's time per step with ``--servers``
 servers: the write plus the loads.
@@ -32,7 +32,7 @@ from lit_cancel.engines.launched_server import write_weights
 from lit_cancel.engines.server_messages import version_label
 from lit_cancel.engines.server_process import ServerClient, free_port, server_command, start_server, stop_server, wait_until_healthy
 from lit_cancel.engines.vllm_common import merged_weights
-from lit_cancel.engines.vllm_servers import load_everywhere
+from lit_cancel.engines.weight_pushes import on_every_server
 
 SHIPPED = Path(__file__).parents[2] / "lit_cancel" / "assets" / "tiny-adder"
 
@@ -90,7 +90,7 @@ def measure(size: str, servers: int, repeats: int, work: Path) -> dict[str, floa
                 "write": seconds(write_weights, merged_weights(model, torch.float32), folder),
                 "one": seconds(clients[0].load_weights, folder, label),
                 "after": seconds(one_after_another, folder, label, clients),
-                "once": seconds(load_everywhere, folder, label, clients),
+                "once": seconds(on_every_server, lambda client: client.load_weights(folder, label), clients),
             }
             assert all(client.label() == label for client in clients)  # every load completed: none was skipped
             if repeat:

@@ -233,14 +233,24 @@ class ServerClient:
     def unload_adapter(self, name: str, timeout: float | None = None) -> None:
         self.call("/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout, answers_json=False)
 
-    def check(self) -> None:
-        """Raises ServerError in one line when the server is unreachable or lacks the routes the trainer needs."""
+    def check(self, adapters: bool = False) -> None:
+        """Raises ServerError in one line when the server is unreachable or lacks the routes the trainer needs (with
+        ``adapters``, those that load LoRA adapters at run time)."""
         if not self.healthy():
             raise ServerError(f"no vLLM server answers at {self.url}; {HOW_TO_START}")
         try:
             self.label()
         except ServerError as error:
             raise ServerError(f"the server at {self.url} has no /weight_info route: it must be {NEEDS}") from error
+        try:  # a server with the route refuses an unload that names no adapter (400); one without it has no such route (404)
+            self.call("/v1/unload_lora_adapter", {"lora_name": ""}, timeout=30, answers_json=False) if adapters else None
+        except ServerError as error:
+            if " answered 404: " in str(error):
+                raise ServerError(
+                    f"the server at {self.url} does not load LoRA adapters at run time, which this LoRA run pushes: start it with "
+                    "lit-cancel serve --config CONFIG for a config with model.init_args.lora (or set the engine's "
+                    "push_adapters: false to push merged weights)"
+                ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

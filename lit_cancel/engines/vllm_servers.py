@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 import torch
 
-from lit_cancel.engines.adapters import adapter_server_args, adapters_to_push
+from lit_cancel.engines.adapters import adapter_config, adapter_refusal, adapter_server_args, adapters_to_push
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest, SamplingOptions, in_background
 from lit_cancel.engines.launched_server import LaunchedServer
 from lit_cancel.engines.prefix_routes import PrefixRoutes
@@ -52,11 +52,12 @@ from lit_cancel.engines.weight_pushes import AdapterPush, FullPush
 _ENGINE_KEY = "model.init_args.engine.init_args"
 
 
-def check_reachable(urls: list[str]) -> None:
-    """Refuses, in one line naming the option, a server that cannot be reached or lacks the routes the trainer needs."""
+def check_reachable(urls: list[str], adapters: bool = False) -> None:
+    """Refuses, in one line naming the option, a server that cannot be reached or lacks the routes the trainer needs (with
+    ``adapters``, those that load LoRA adapters)."""
     for url in urls:
         try:
-            ServerClient(url).check()
+            ServerClient(url).check(adapters)
         except ServerError as error:
             raise ValueError(f"{_ENGINE_KEY}.urls: {error}") from None
 
@@ -152,8 +153,7 @@ class VLLMServerEngine(RolloutEngine):
         if not launch and (server_cpus or trainer_cpus or server_args):
             raise ValueError(f"{_ENGINE_KEY}: server_cpus, trainer_cpus and server_args are for a launched server (launch: true)")
         self.launch, self.max_staleness, self.weights_dir = launch, max_staleness, weights_dir
-        self.request_timeout, self.server_timeout, self.dtype = request_timeout, server_timeout, dtype
-        self.push_adapters = push_adapters
+        self.request_timeout, self.server_timeout, self.dtype, self.push_adapters = request_timeout, server_timeout, dtype, push_adapters
         self.server = LaunchedServer(
             server_cpus, trainer_cpus, startup_timeout, max_model_len, kv_cache_memory_bytes, list(server_args or [])
         ) if launch else None
@@ -173,8 +173,9 @@ class VLLMServerEngine(RolloutEngine):
     def check(self, policy: PolicyWeights, options: SamplingOptions | None) -> None:
         """Refuses, in one line, servers that cannot be reached or lack the routes the trainer needs, and a server to launch
         on a machine without a GPU whose KV cache cannot hold one sequence of ``max_model_len`` tokens
-        (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`)."""
-        check_reachable(self.urls)
+        (:func:`~lit_cancel.engines.vllm_common.kv_cache_need`); with adapters to push, servers that cannot load them."""
+        adapters = self.push_adapters and adapter_config(policy.model) is not None and adapter_refusal(policy.model) is None
+        check_reachable(self.urls, adapters)
         if self.server is not None:
             self.server.check(policy, self._dtype(policy), options and options.max_new_tokens)
 
@@ -206,7 +207,7 @@ class VLLMServerEngine(RolloutEngine):
         self.clients = [ServerClient(url, self.request_timeout, self.server_timeout, self._is_own) for url in self.urls]
         self.closed = False
         for client in self.clients:
-            client.check()
+            client.check(adapters=isinstance(self.pushes, AdapterPush))
 
     def _is_own(self, label: str) -> bool:
         """Whether a server's weights label is a version of this run's."""

@@ -44,6 +44,7 @@ class StandInServer:
         self.adapters: dict[str, str] = {}  # the LoRA adapters loaded: name, folder
         self.adapter_loads: list[str] = []
         self.sampled_with: list[str | None] = []  # each generation's adapter
+        self.loads_adapters = True  # vLLM's routes that load adapters at run time are on
         self.generations = 0
         self.prompts: list[tuple[int, ...]] = []
         self.reloaded = lambda folder: None
@@ -55,6 +56,10 @@ class StandInServer:
                 return {"weight_version": self.label}
             if path == "/v1/models":
                 return {"data": [{"id": "base", "parent": None}, *({"id": name, "parent": "base"} for name in self.adapters)]}
+            if "lora_adapter" in path and not self.loads_adapters:
+                raise StandInError(404, "Not Found")
+            if path == "/v1/unload_lora_adapter" and body["lora_name"] not in self.adapters:
+                raise StandInError(400 if not body["lora_name"] else 404, "The lora adapter cannot be found.")
             if path == "/v1/load_lora_adapter":
                 if body["lora_name"] in self.adapters:
                     raise StandInError(400, f"The lora adapter '{body['lora_name']}' has already been loaded.")
@@ -310,3 +315,13 @@ def test_a_restarted_server_gets_the_base_weights_and_the_current_adapter_before
         assert (server.label, server.reloads[-1], list(server.adapters), server.sampled_with) == (
             f"{engine.run}/base", str(tmp_path / f"{engine.run}-base"), [current], [current]
         )
+
+
+def test_a_lora_run_refuses_at_start_up_a_server_that_cannot_load_adapters_unless_it_pushes_merged_weights():
+    with stand_in_servers(1) as [(server, url)]:
+        VLLMServerEngine(urls=[url]).check(lora_policy(), None)
+        server.loads_adapters = False
+        with pytest.raises(ValueError, match=f"engine.init_args.urls: the server at {url} does not load LoRA adapters at run time"):
+            VLLMServerEngine(urls=[url]).check(lora_policy(), None)
+        VLLMServerEngine(urls=[url], push_adapters=False).check(lora_policy(), None)
+        VLLMServerEngine(urls=[url]).check(PolicyWeights(ModelRoot(load_causal_lm("embedded:tiny-adder")), None, 0, torch.device("cpu")), None)

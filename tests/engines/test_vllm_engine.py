@@ -326,6 +326,7 @@ def test_adapters_vllm_cannot_take_are_merged_for_the_push_with_one_line_saying_
     lines = [record.getMessage() for record in caplog.records if "push_adapters" in record.getMessage()]
     assert lines == ["model.init_args.engine.init_args.push_adapters: vLLM takes adapters of rank 512 at most, these have "
                      "rank 1024, so each push merges the adapters and sends the whole model"]
+    assert f"\n{lines[0]}\n" in (Path(__file__).parents[2] / "docs" / "engines.md").read_text()  # the line the docs show
 
 
 def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy():
