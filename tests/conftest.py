@@ -132,3 +132,10 @@ def split_step():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def lora_sizes(model) -> tuple[int, int]:
+    """The bytes of a peft model's base weights (every name vLLM loads, a tied weight under each) and of its adapters."""
+    state = model.state_dict()
+    base = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
+    return base, sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)

@@ -105,10 +105,9 @@ class VLLMEngine(RolloutEngine):
     runs repeat and processes draw different random numbers.
 
     With sleep mode the engine releases its KV cache and discards its weights after every training call
-    (vLLM's sleep level 2: no copy of the weights in host memory; pushing adapters, level 1: the base weights wait in host
-    memory). A push wakes the weights alone, so
-    the KV cache stays released while the gathered weights are built, then the KV cache wakes to
-    sample. Through a validation the engine stays awake, from its first call to the validation's end
+    (vLLM's sleep level 2: no copy of the weights in host memory; pushing adapters, level 1: the base weights wait in
+    host memory). A push wakes the weights alone, so the KV cache stays released while the gathered weights are built,
+    then the KV cache wakes to sample. Through a validation the engine stays awake, from its first call to the validation's end
     (:meth:`release`), so a validation pushes the weights once at most, however many batches and
     calls it has (greedy, then sampled completions of each batch); and so it does through an agent's
     turns (``request.keep``), which call it once a turn. A call with no push since the last

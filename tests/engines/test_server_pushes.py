@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import lora_sizes
 
 from lit_cancel import LoRA, VLLMServerEngine
 from lit_cancel.engines.base import PolicyWeights, in_background
@@ -284,8 +285,7 @@ def test_a_lora_run_gives_each_server_the_base_weights_once_then_adapters_withou
     with stand_in_servers(2) as servers:
         engine = adapter_engine([url for _, url in servers], tmp_path, max_staleness=1)
         policy = lora_policy()
-        base_bytes = sum(t.numel() * 4 for name, t in policy.model.state_dict().items() if ".lora_" not in name)
-        adapter_bytes = sum(t.numel() * 4 for name, t in policy.model.state_dict().items() if ".lora_" in name)
+        base_bytes, adapter_bytes = lora_sizes(policy.model)
         for step in range(3):
             engine.sync(PolicyWeights(policy.root, None, step, policy.device))
         labels = [version_label(engine.run, push) for push in range(3)]

@@ -23,12 +23,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import agent_episodes, save_tiny_model  # noqa: E402
+from conftest import agent_episodes, lora_sizes, save_tiny_model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from test_engines import fit  # noqa: E402
 
 from lit_cancel import GRPO, AdditionTask, LoRA, RLModule, RolloutDataModule, TokenTruncate, VLLMEngine  # noqa: E402
 from lit_cancel.engines.vllm_common import log_level_option  # noqa: E402
+from lit_cancel.hub import load_causal_lm  # noqa: E402
 from lit_cancel.rounds.sample import encode_prompts  # noqa: E402
 from lit_cancel.run import commands  # noqa: E402
 from lit_cancel.run.cli import run_cli  # noqa: E402
@@ -289,11 +290,11 @@ def test_processes_that_sample_unevenly_run_their_own_engines_without_waiting_fo
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_sizes(module: RLModule) -> tuple[int, int]:
-    """The bytes of the policy's base weights (every name vLLM loads, a tied weight under each) and of its adapters."""
-    state = module.policy.model.state_dict()
-    base = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
-    return base, sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
+def gap_from_the_base(module: RLModule, generation) -> float:
+    """Largest |sampler log-prob - log-prob of the policy with its adapters disabled| over the completion tokens."""
+    with module.policy.model.disable_adapter():
+        base = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
+    return float(((base - generation.sampler_logprobs).abs() * generation.completion_mask).max())
 
 
 def test_lora_runs_push_the_base_weights_once_then_the_adapter_alone_which_the_engine_samples_with():
@@ -307,10 +308,8 @@ def test_lora_runs_push_the_base_weights_once_then_the_adapter_alone_which_the_e
         generation = module.rollout(*prompts(module), num_samples=2)
         # measured: at most 2e-5 (the adapter's product is summed apart from the base weight's in vLLM, merged in peft)
         assert mismatch(module, generation) < TOLERANCE
-    with module.policy.model.disable_adapter():
-        base_logprobs = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
-    assert float(((base_logprobs - generation.sampler_logprobs).abs() * generation.completion_mask).max()) > 100 * TOLERANCE
-    base, adapter = lora_sizes(module)
+    assert gap_from_the_base(module, generation) > 100 * TOLERANCE  # the engine sampled with the adapters
+    base, adapter = lora_sizes(module.policy.model)
     assert engine.pushed_bytes == {"base": base, "adapter": 3 * adapter}
     assert engine.llm.llm_engine.list_loras() == {3}  # the versions before it were removed, with their folders
     assert os.listdir(engine.adapter.folder.name) == ["v3"]
@@ -339,9 +338,7 @@ def test_lora_adapters_are_merged_for_the_push_and_stay_unmerged_in_the_policy()
     module.weights_version += 1
     generation = module.rollout(*prompts(module), num_samples=2)
     assert mismatch(module, generation) < TOLERANCE
-    with module.policy.model.disable_adapter():
-        base_logprobs = module.token_logprobs(generation.input_ids, generation.attention_mask, generation.prompt_length)
-    assert float(((base_logprobs - generation.sampler_logprobs).abs() * generation.completion_mask).max()) > 100 * TOLERANCE
+    assert gap_from_the_base(module, generation) > 100 * TOLERANCE  # the engine sampled with the adapters
     assert all(torch.equal(p, base[n]) for n, p in module.policy.named_parameters() if "base_layer" in n)
     assert set(module.engine.pushed_bytes) == {"merged"}
 
@@ -484,7 +481,7 @@ def test_the_lora_recipe_with_vllm_pushes_the_base_weights_once_then_only_adapte
                    "--data.init_args.prompts_per_round=4"])
     events = EventAccumulator(cli.trainer.logger.log_dir)
     events.Reload()
-    base, adapter = lora_sizes(cli.model)
+    base, adapter = lora_sizes(cli.model.policy.model)
     # pushes: the validation's before training (base weights and adapter), then the adapter alone before the rounds of steps
     # 2 and 3 and the last validation; the first round samples with the weights that validation pushed
     assert cli.model.engine.pushed_bytes == {"base": base, "adapter": 4 * adapter}
@@ -513,13 +510,15 @@ def test_the_gpu_recipe_with_vllm_trains_with_a_stand_in_model_on_this_cpu(tmp_p
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_engine(tmp_path, lit_cancel_script):
+@pytest.mark.parametrize("lora", [None, LoRA(rank=4, target_modules=["q_proj", "v_proj"])], ids=["whole", "lora"])
+def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_engine(tmp_path, lit_cancel_script, lora):
+    lora_options = [] if lora is None else [f"--model.init_args.lora.rank={lora.rank}", "--model.init_args.lora.target_modules=[q_proj,v_proj]"]
     subprocess.run(
         [lit_cancel_script, "fit", "--config", str(CONFIG.parent / "quickstart-fsdp2-cpu.yaml"), "--trainer.max_steps=3",
          "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
          "--data.init_args.prompts_per_round=4", "--data.init_args.group_size=4", "--data.init_args.task.init_args.val_size=8",
          "--model.init_args.val_samples=2", "--model.init_args.engine=lit_cancel.VLLMEngine",
-         f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}"],
+         f"--model.init_args.engine.init_args.kv_cache_memory_bytes={KV_CACHE}", *lora_options],
         check=True, capture_output=True, timeout=600,
     )
     (run,) = tmp_path.glob("*/version_0")
@@ -530,6 +529,9 @@ def test_fsdp2_on_two_processes_pushes_the_gathered_weights_to_each_processs_eng
     # each step's rollouts were sampled from the weights of the step before, gathered from both shards
     assert max(mismatch_by_step) < TOLERANCE
     assert sum(e.value for e in events.Scalars("perf/weight_sync_s")) > 0
+    if lora is not None:  # the adapters gathered from both shards, alone; the first round samples with the validation's push
+        adapter = lora_sizes(lora.apply(load_causal_lm("embedded:tiny-adder")))[1]
+        assert [e.value for e in events.Scalars("perf/weight_push_bytes")] == [0.0, adapter, adapter]
 
 
 def test_with_sleep_mode_an_agents_round_pushes_the_weights_once_and_sleeps_after_its_last_turn(monkeypatch):

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import agent_episodes, check_sampled_ahead  # noqa: E402
+from conftest import agent_episodes, check_sampled_ahead, lora_sizes  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
@@ -234,19 +234,12 @@ def lora_server(model_folder):
     stop(process)
 
 
-def lora_sizes(module: RLModule) -> tuple[int, int]:
-    """The bytes of the policy's base weights (every name vLLM loads, a tied weight under each) and of its adapters."""
-    state = module.policy.model.state_dict()
-    base = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
-    return base, sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
-
-
 def test_a_lora_run_pushes_the_base_weights_once_then_adapters_that_sample_as_the_trainer_scores(lora_server, tmp_path):
     module = server_module(lora_server, lora=LORA, optimizer=partial(torch.optim.SGD, lr=0.5),
                            objective=GRPO(correction=TokenTruncate()))
     trainer = fit(module, 3, tmp_path)
     pushes = module.engine.pushes
-    base, adapter = lora_sizes(module)
+    base, adapter = lora_sizes(module.policy.model)
     assert trainer.global_step == 3 and len(module.engine.pushed) == 3
     assert pushes.pushed_bytes == {"base": base, "adapter": 3 * adapter}
     assert scalars(trainer, "perf/weight_push_bytes") == [base + adapter, adapter, adapter]
@@ -262,7 +255,7 @@ def test_a_lora_run_sampling_ahead_keeps_max_staleness_plus_one_adapters_loaded(
     assert scalars(trainer, "rollout/staleness_max")[2:] == [1.0] * 6
     labels = list(module.engine.pushed)
     assert len(labels) == 4 and ServerClient(lora_server).adapters() == set(labels[-2:])
-    assert module.engine.pushes.pushed_bytes["base"] == lora_sizes(module)[0]
+    assert module.engine.pushes.pushed_bytes["base"] == lora_sizes(module.policy.model)[0]
     module.engine.close()
 
 
