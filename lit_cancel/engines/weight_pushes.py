@@ -112,6 +112,7 @@ class AdapterPush:
     def __init__(self, weights_dir: str, run: str, keep: int):
         self.weights_dir, self.run, self.keep, self.base = weights_dir, run, keep, base_label(run)
         self.current: tuple[str, str] | None = None
+        self.base_written = False  # the same in every process: each takes part in the base weights' gathers
         self.locks: dict[str, threading.Lock] = {}
         self.pushed_bytes = PushedBytes()
 
@@ -122,9 +123,13 @@ class AdapterPush:
         """Writes the base weights (the first time) and the adapter of version ``label``, then has every server load what
         it lacks and unload the adapters beyond ``keep``, whose folders are deleted."""
         writes = _rank() == 0
-        if not os.path.exists(self._folder(self.base)):
+        if not self.base_written:
             base = counted(merged_weights(policy.model, dtype, adapters=False), self.pushed_bytes, "base")
-            write_weights(base, self._folder(self.base)) if writes else deque(base, maxlen=0)
+            if writes:
+                write_weights(base, self._folder(self.base))
+            else:
+                deque(base, maxlen=0)  # taking part in each gather of a sharded weight
+            self.base_written = True
         self.pushed_bytes.add("adapter", write_adapter(policy.model, self._folder(label), dtype, write=writes))
         _barrier()
         self.current = (label, self._folder(label))
