@@ -90,7 +90,7 @@ def measure(size: str, servers: int, repeats: int, work: Path) -> dict[str, floa
                 "write": seconds(write_weights, merged_weights(model, torch.float32), folder),
                 "one": seconds(clients[0].load_weights, folder, label),
                 "after": seconds(one_after_another, folder, label, clients),
-                "once": seconds(on_every_server, lambda client: client.load_weights(folder, label), clients),
+                "once": seconds(on_every_server, lambda client, folder=folder, label=label: client.load_weights(folder, label), clients),
             }
             assert all(client.label() == label for client in clients)  # every load completed: none was skipped
             if repeat:
