@@ -242,8 +242,10 @@ class ServerClient:
             self.label()
         except ServerError as error:
             raise ServerError(f"the server at {self.url} has no /weight_info route: it must be {NEEDS}") from error
+        if not adapters:
+            return
         try:  # a server with the route refuses an unload that names no adapter (400); one without it has no such route (404)
-            self.call("/v1/unload_lora_adapter", {"lora_name": ""}, timeout=30, answers_json=False) if adapters else None
+            self.call("/v1/unload_lora_adapter", {"lora_name": ""}, timeout=30, answers_json=False)
         except ServerError as error:
             if " answered 404: " in str(error):
                 raise ServerError(
