@@ -16,16 +16,27 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from vs_trl import ROWS, fit_lit_cancel, lit_cancel_module, write_model  # benchmarks/ is on the path when run as a script
+from vs_trl import ROWS, Row, fit_lit_cancel, lit_cancel_module, write_model  # benchmarks/ is on the path when run as a script
 
 import lit_cancel.rounds.score
 from lit_cancel import DecodeLoop, HFGenerate
 
 PARTS = ["prefill", "decode", "reward", "advantages", "old/ref log-probs", "training forward", "backward", "optimizer", "other"]
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """A round's rows: each one's prompt tokens and completion tokens (EOS included), and how many prompts were
+    prefilled (once per prompt, before its group's rows are copied from it)."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    prompts: int
 
 
 class Stopwatch:
@@ -34,6 +45,7 @@ class Stopwatch:
     def __init__(self):
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
+        self.rounds: list[RoundShape] = []
 
     def timed(self, part: str, fn):
         def wrapper(*args, **kwargs):
@@ -69,8 +81,62 @@ class StepParts(Callback):
             parts["total"] = now - self.last_end
             parts["other"] = parts["total"] - sum(parts.get(p, 0.0) for p in PARTS[:-1])
             self.watch.steps.append(parts)
+            prompt_tokens = batch.attention_mask[:, :batch.prompt_length].sum(1)
+            self.watch.rounds.append(RoundShape(prompt_tokens.tolist(), batch.completion_mask.sum(1).tolist(),
+                                                len(batch.group_ids.unique())))
         self.watch.current = defaultdict(float)
         self.last_end = now
+
+
+@dataclass
+class Profiled:
+    """A profiled run: the parameter count, the module, and each timed step's seconds by part (``"total"`` the whole
+    step) and the shape of the round it trained on."""
+
+    params: int
+    module: object
+    steps: list[dict[str, float]]
+    rounds: list[RoundShape]
+
+
+def profile(scratch: str, row: Row, steps: int, warmup: int, **options) -> Profiled:
+    """Fits ``row``'s model (saved to ``scratch``) for ``warmup + steps`` timed steps with each part of the module timed;
+    ``options`` go to the module (:func:`lit_cancel_module`). The warm-up steps are dropped."""
+    watch = Stopwatch()
+    params = write_model(Path(scratch), row)
+    module = lit_cancel_module(scratch, row, **options)
+    model = module.policy.model
+    in_rollout = []
+
+    def prefill_start(_, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        in_rollout.append(time.perf_counter() if in_rollout_flag and ids is not None and ids.shape[1] > 1 else None)
+
+    def prefill_end(*_):
+        started = in_rollout.pop()
+        if started is not None:
+            watch.current["prefill"] += time.perf_counter() - started
+
+    in_rollout_flag = False
+    rollout = module.rollout
+
+    def flagged_rollout(*a, **k):
+        nonlocal in_rollout_flag
+        in_rollout_flag = True
+        try:
+            return rollout(*a, **k)
+        finally:
+            in_rollout_flag = False
+
+    model.register_forward_pre_hook(prefill_start, with_kwargs=True)
+    model.register_forward_hook(prefill_end)
+    module.rollout = watch.timed("rollout", flagged_rollout)
+    module.score_rollouts = watch.timed("old/ref log-probs", module.score_rollouts)
+    module.training_step = watch.timed("training forward", module.training_step)
+    module.objective.advantages = watch.timed("advantages", module.objective.advantages)
+    lit_cancel.rounds.score.score = watch.timed("reward", lit_cancel.rounds.score.score)
+    fit_lit_cancel(module, scratch, row, steps + warmup + 1, [StepParts(watch)])
+    return Profiled(params, module, watch.steps[warmup:], watch.rounds[warmup:])
 
 
 def main() -> None:
@@ -87,49 +153,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     row = ROWS[args.row]
-    watch = Stopwatch()
     with tempfile.TemporaryDirectory() as scratch:
-        params = write_model(Path(scratch), row)
-        module = lit_cancel_module(
-            scratch, row, engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(), compile=args.compile,
-            pack_sequences=args.pack_sequences,
+        run = profile(
+            scratch, row, args.steps, args.warmup, engine=DecodeLoop() if args.decode_loop == "true" else HFGenerate(),
+            compile=args.compile, pack_sequences=args.pack_sequences,
             **({} if args.max_tokens_per_chunk is None else {"max_tokens_per_chunk": args.max_tokens_per_chunk or None}),
         )
-        model = module.policy.model
-        in_rollout = []
-
-        def prefill_start(_, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            in_rollout.append(time.perf_counter() if in_rollout_flag and ids is not None and ids.shape[1] > 1 else None)
-
-        def prefill_end(*_):
-            started = in_rollout.pop()
-            if started is not None:
-                watch.current["prefill"] += time.perf_counter() - started
-
-        in_rollout_flag = False
-        rollout = module.rollout
-
-        def flagged_rollout(*a, **k):
-            nonlocal in_rollout_flag
-            in_rollout_flag = True
-            try:
-                return rollout(*a, **k)
-            finally:
-                in_rollout_flag = False
-
-        model.register_forward_pre_hook(prefill_start, with_kwargs=True)
-        model.register_forward_hook(prefill_end)
-        module.rollout = watch.timed("rollout", flagged_rollout)
-        module.score_rollouts = watch.timed("old/ref log-probs", module.score_rollouts)
-        module.training_step = watch.timed("training forward", module.training_step)
-        module.objective.advantages = watch.timed("advantages", module.objective.advantages)
-        lit_cancel.rounds.score.score = watch.timed("reward", lit_cancel.rounds.score.score)
-        fit_lit_cancel(module, scratch, row, args.steps + args.warmup + 1, [StepParts(watch)])
-    steps = watch.steps[args.warmup:]
+    steps, module = run.steps, run.module
     total = statistics.median(s["total"] for s in steps)
     sampler = "decode loop" if args.decode_loop == "true" else "HF generate"
-    print(f"{params / 1e6:.1f} M params, {'EOS or ' if row.eos else ''}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
+    print(f"{run.params / 1e6:.1f} M params, {'EOS or ' if row.eos else ''}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
           f"checkpointing {'on' if row.checkpointing else 'off'}, {sampler}, max_tokens_per_chunk {module.max_tokens_per_chunk}"
           f"{', compiled' if args.compile else ''}{', packed' if args.pack_sequences else ''}: "
           f"median of {len(steps)} steps, {total * 1000:.0f} ms per step, {torch.get_num_threads()} threads, "

@@ -4,6 +4,7 @@
     python benchmarks/performance/vs_trl.py [--rows small,large,large-ckpt] [--steps 10] [--warmup 2] [--threads N]
     python benchmarks/performance/vs_trl.py --realistic   # EOS on: rows real-small-fp32, real-small-bf16, real-large-fp32/bf16
     python benchmarks/performance/vs_trl.py --rows long-large-fp32,long-large-bf16 --steps 6 --warmup 1  # EOS rare: long completions
+    python benchmarks/performance/vs_trl.py --rows qwen05-fp32,qwen05-bf16 --steps 2 --warmup 1   # Qwen2.5-0.5B's shape
     python benchmarks/performance/vs_trl.py --sweep --steps 3 --warmup 1   # completion limits 128 to 2,048 tokens, two regimes
     python benchmarks/performance/vs_trl.py --agent --steps 6 --warmup 2  # multi-turn, tool-using episodes (TRL environment_factory)
 
@@ -14,7 +15,7 @@ Matched settings, both sides:
 * the same randomly initialised Qwen2 (saved once, loaded by both) and the character tokenizer, CPU;
 * float32 weights; the ``bf16`` rows train in bf16 autocast (TRL ``bf16=True``, lit_cancel ``precision="bf16-mixed"``),
   rollouts included, the others in float32;
-* 8 prompts x 8 rollouts per step (group size 8), one rollout round per optimizer step, one update per round
+* 8 prompts x 8 rollouts per step (group size 8; 4 in the qwen05 rows), one rollout round per optimizer step, one update per round
   (TRL ``num_iterations=1``, ``steps_per_generation=1``; lit_cancel ``mini_batches_per_round=1``, ``epochs_per_round=1``);
 * fixed-length rows: exactly ``C`` new tokens per rollout, EOS suppressed with ``generation_kwargs={"suppress_tokens": [EOS]}``;
   realistic rows (``real-...``): rollouts stop at EOS or after ``C`` tokens. The random model's 99-token vocabulary
@@ -31,6 +32,10 @@ Matched settings, both sides:
   about a fifth reaching it) and with every completion running to the limit (EOS suppressed);
 * ``long-large-fp32`` and ``long-large-bf16`` (not in ``--realistic``): the 24 M model, at most 256 new tokens, EOS's
   logit set for a mean length of 0.86 of the limit (about 220 tokens, two thirds of the completions reach it);
+* ``qwen05-fp32`` and ``qwen05-bf16`` (not in ``--realistic``): a random model of Qwen2.5-0.5B's shape (hidden 896,
+  24 blocks, MLP 4,864, 14 query and 2 key/value heads, 151,936 tokens, tied head: 494 M parameters), 8 prompts x 4
+  rollouts, at most 128 new tokens, checkpointing on; the character tokenizer padded to that vocabulary with tokens
+  that decode as their names. EOS is on but is one token in 151,936, so nearly every completion runs to the limit;
 * ``real-small-fp32-compiled`` (not in ``--realistic``): lit_cancel's decoder through ``torch.compile``
   (``RLModule(compile=True)``, opt-in), TRL as in ``real-small-fp32``; the warm-up steps hold the compilations.
 
@@ -77,13 +82,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from lit_cancel.agents import ColonCalls, EnvironmentTask, ToolAdditionTask
 from lit_cancel.agents.calculator import calculate
 from lit_cancel.hub import load_tokenizer, resolve_model_path
 from lit_cancel.tasks import AdditionTask
 from lit_cancel.tokenizer import build_char_tokenizer
+
+PROMPTS, GROUP, LR, SEED = 8, 8, 1e-6, 0
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,13 @@ class Row:
     compiled: bool = False  # lit_cancel's RLModule(compile=True); TRL as in the row without it
     # EOS on, its logit set so that completions are on average this share of new_tokens long
     mean_share: float | None = None
+    kv_heads: int | None = None  # grouped-query attention's key/value heads; None: as many as heads
+    vocab: int | None = None  # the model's vocabulary; None: the character tokenizer's, larger: padded with unused tokens
+    group: int = GROUP  # rollouts per prompt
 
 
-SMALL, LARGE = (128, 3, 512, 4), (512, 8, 1280, 8)
+SMALL, LARGE, QWEN05 = (128, 3, 512, 4), (512, 8, 1280, 8), (896, 24, 4864, 14)
+QWEN05_SHAPE = {"kv_heads": 2, "vocab": 151_936, "group": 4}
 ROWS = {
     "small": Row(*SMALL, 48, False),
     "small-ckpt": Row(*SMALL, 48, True),
@@ -115,6 +127,9 @@ ROWS = {
     # EOS rarely sampled: completions average about 220 of the 256 tokens, about two thirds reach the limit
     "long-large-fp32": Row(*LARGE, 256, True, eos=True, mean_share=0.86),
     "long-large-bf16": Row(*LARGE, 256, True, eos=True, bf16=True, mean_share=0.86),
+    # Qwen2.5-0.5B's shape, random weights: EOS is one token in 151,936, so nearly every completion runs to the limit
+    "qwen05-fp32": Row(*QWEN05, 128, True, eos=True, **QWEN05_SHAPE),
+    "qwen05-bf16": Row(*QWEN05, 128, True, eos=True, bf16=True, **QWEN05_SHAPE),
 }
 REALISTIC = [name for name, row in ROWS.items() if name.startswith("real-") and not row.compiled]
 # the length sweep: the small model, checkpointing on (TRL's default; lit_cancel by chunk, which keeps the least for a
@@ -127,28 +142,30 @@ for length in SWEEP_LENGTHS:
     SWEEP[f"varying-{length}"] = Row(*SMALL, length, "chunks", eos=True, mean_share=0.45)
     SWEEP[f"to-limit-{length}"] = Row(*SMALL, length, "chunks")
 ROWS |= SWEEP
-PROMPTS, GROUP, LR, SEED = 8, 8, 1e-6, 0
 
 
 def write_model(folder: Path, row: Row) -> int:
-    """Saves a random Qwen2 and the character tokenizer to ``folder``; returns the parameter count."""
-    tokenizer = build_char_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=row.hidden, intermediate_size=row.mlp, num_hidden_layers=row.blocks,
-        num_attention_heads=row.heads, num_key_value_heads=row.heads, max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    """Saves a random Qwen2 and the row's tokenizer to ``folder``; returns the parameter count."""
+    tokenizer = row_tokenizer(row)
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(row_config(row, tokenizer))
     if row.mean_share is not None:
-        set_mean_length(model, tokenizer, row.new_tokens, row.mean_share * row.new_tokens)
+        set_mean_length(model, tokenizer, row.new_tokens, row.mean_share * row.new_tokens, row.group)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
+def row_config(row: Row, tokenizer) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=row.hidden, intermediate_size=row.mlp, num_hidden_layers=row.blocks,
+        num_attention_heads=row.heads, num_key_value_heads=row.kv_heads or row.heads, max_position_embeddings=4096,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 @torch.no_grad()
-def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length: float) -> None:
+def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length: float, group: int) -> None:
     """Points the (tied) embedding of EOS along the mean final hidden state, scaled so that completions of up to ``limit``
     tokens sampled at T = 1 are ``mean_length`` long on average, EOS included.
 
@@ -163,11 +180,11 @@ def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length:
     prompts = tokenizer([r["prompt"] for r in AdditionTask(num_digits=3).train_records()[:PROMPTS]], return_tensors="pt", padding=True)
     torch.manual_seed(SEED)
     sequences = sample_completions(
-        model, prompts["input_ids"], prompts["attention_mask"], GROUP, limit, [], tokenizer.pad_token_id,
+        model, prompts["input_ids"], prompts["attention_mask"], group, limit, [], tokenizer.pad_token_id,
         logits_processors({"suppress_tokens": [eos]}, 1.0, 1.0, greedy=False),
     )
     prompt_length = prompts["input_ids"].shape[1]
-    mask = torch.cat([prompts["attention_mask"].repeat_interleave(GROUP, 0), torch.ones_like(sequences[:, prompt_length:])], 1)
+    mask = torch.cat([prompts["attention_mask"].repeat_interleave(group, 0), torch.ones_like(sequences[:, prompt_length:])], 1)
     hidden = model.model(
         input_ids=sequences, attention_mask=mask, position_ids=position_ids_from_mask(mask),
     ).last_hidden_state[:, prompt_length - 1 : -1]
@@ -188,18 +205,32 @@ def set_mean_length(model: Qwen2ForCausalLM, tokenizer, limit: int, mean_length:
     weights[eos] = (low + high) / 2 * direction / direction.norm()
 
 
+def row_tokenizer(row: Row):
+    """The character tokenizer, its vocabulary padded to ``row.vocab`` with tokens no text encodes to (a random model of
+    a real vocabulary's size samples them, and they decode as their names)."""
+    tokenizer = build_char_tokenizer()
+    if row.vocab is None:
+        return tokenizer
+    vocab = tokenizer.get_vocab()
+    vocab |= {f"<unused{i}>": i for i in range(len(vocab), row.vocab)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=tokenizer.unk_token))
+    backend.pre_tokenizer, backend.decoder = tokenizer.backend_tokenizer.pre_tokenizer, tokenizer.backend_tokenizer.decoder
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=tokenizer.pad_token, eos_token=tokenizer.eos_token,
+                                   unk_token=tokenizer.unk_token, padding_side="left")
+
+
 def generation_kwargs(row: Row) -> dict:
     return {} if row.eos else {"suppress_tokens": [build_char_tokenizer().eos_token_id]}
 
 
-def grpo_config(folder: str, steps: int, bf16: bool, **settings):
+def grpo_config(folder: str, steps: int, bf16: bool, group: int = GROUP, **settings):
     """TRL's ``GRPOConfig`` with what every row sets alike (lit_cancel's settings), and the row's ``settings``.
 
     ``bf16`` has no default here: ``GRPOConfig`` defaults it to True, which on a CPU trains in bfloat16 autocast."""
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        output_dir=str(Path(folder) / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * group, num_generations=group,
         temperature=1.0, top_p=1.0, top_k=0, loss_type="grpo", scale_rewards="group", epsilon=0.2, beta=0.0, num_iterations=1,
         learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=bf16, report_to="none", save_strategy="no",
         seed=SEED, logging_steps=1, dataloader_num_workers=0, **settings,
@@ -234,9 +265,9 @@ def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[i
             ends.append(time.perf_counter())
 
     config = grpo_config(folder, steps, bf16=row.bf16, max_completion_length=row.new_tokens, generation_kwargs=generation_kwargs(row),
-                         gradient_checkpointing=bool(row.checkpointing))
+                         gradient_checkpointing=bool(row.checkpointing), group=row.group)
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=build_char_tokenizer(), callbacks=[StepEnds()])
+                          processing_class=row_tokenizer(row), callbacks=[StepEnds()])
     trainer.train()
     return ends, lengths
 
@@ -260,7 +291,7 @@ def fit_lit_cancel(module, folder: str, row: Row, steps: int, callbacks: list, t
 
     from lit_cancel import RolloutDataModule
 
-    data = RolloutDataModule(task or AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=GROUP, seed=SEED)
+    data = RolloutDataModule(task or AdditionTask(num_digits=3), prompts_per_round=PROMPTS, group_size=row.group, seed=SEED)
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", precision="bf16-mixed" if row.bf16 else "32-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -443,6 +474,7 @@ class Measured:
     lengths: list[int]  # every completion of the timed steps; of the agent row, the tokens each episode trains
     environment: list[int] = field(default_factory=list)  # the agent row: the environment's tokens of each episode
     pass_tokens: list[int] = field(default_factory=list)  # the agent row: the tokens of each timed step's training pass
+    timed_steps: int = 1
 
     @property
     def mean_length(self) -> float:
@@ -458,7 +490,7 @@ class Measured:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.mean_length * PROMPTS * GROUP / self.seconds
+        return sum(self.lengths) / self.timed_steps / self.seconds
 
 
 def standard_error(values: list[int]) -> float:
@@ -483,7 +515,7 @@ def measure(framework: str, folder: str, row: str, args: argparse.Namespace) -> 
         return [n for step in counts[timed_steps] for n in step]
 
     return Measured(statistics.median(intervals), result["peak_mib"], timed(result["lengths"]), timed(result.get("environment", [])),
-                    result.get("pass_tokens", [])[timed_steps])
+                    result.get("pass_tokens", [])[timed_steps], len(intervals))
 
 
 def mean_cell(values: list[int]) -> str:
@@ -544,7 +576,7 @@ def main() -> None:
         print("benchmarks/performance/vs_trl.py compares with TRL, which is not installed: pip install -e \".[bench]\"")
         return
     settings = (f"TRL {trl.__version__} GRPOTrainer vs lit_cancel, CPU, {args.threads or torch.get_num_threads()} threads; "
-                f"{PROMPTS} prompts x {GROUP} rollouts per step, T=1, top_p=1, top_k=0, GRPO (TRL loss_type=grpo, "
+                f"{PROMPTS} prompts x {GROUP} rollouts per step (x 4 in the qwen05 rows), T=1, top_p=1, top_k=0, GRPO (TRL loss_type=grpo, "
                 f"scale_rewards=group, epsilon=0.2), beta=0, one update per round, AdamW lr {LR:g}, grad-norm clip 1.0; median "
                 f"of {args.steps} steps after {args.warmup} warm-up")
     if args.agent:
@@ -566,7 +598,8 @@ def main() -> None:
             params = write_model(Path(scratch), row)
             trl_run, lit_run = measure("trl", scratch, name, args), measure("lit_cancel", scratch, name, args)
         stop = (f"EOS (mean {row.mean_share:g} of the limit) or " if row.mean_share else "EOS or ") if row.eos else "exactly "
-        label = (f"{params / 1e6:.1f} M params, {stop}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
+        shape = " (Qwen2.5-0.5B shape)" if name.startswith("qwen05") else ""
+        label = (f"{params / 1e6:.1f} M params{shape}, {stop}{row.new_tokens} tokens, {'bf16' if row.bf16 else 'fp32'}, "
                  f"checkpointing {'on' if row.checkpointing else 'off'}"
                  f"{f' (lit_cancel by {row.checkpointing})' if isinstance(row.checkpointing, str) else ''}"
                  f"{', lit_cancel compiled' if row.compiled else ''}")
