@@ -1,4 +1,5 @@
-"""``activation_checkpointing: auto``: the fastest checkpointing mode whose training pass fits the memory at hand.
+"""``activation_checkpointing: auto``: of the checkpointing modes whose training pass fits the memory at hand, the one
+that costs least time x memory.
 
 The modes, fastest first: none, ``blocks``, ``chunks``, ``blocks+chunks`` (``RLModule``'s docstring says what each
 keeps). What autograd keeps per token is measured once at start-up, on cuts of the model's config to one and two
@@ -14,12 +15,20 @@ chunks of ``C`` tokens, of a model of ``B`` blocks then keeps about
 * ``chunks``: ``T x`` a final state, and every block's activations of a chunk while it is recomputed;
 * ``blocks+chunks``: ``T x`` a final state, a chunk's block inputs and one block's activations of a chunk.
 
-The first mode whose estimate is within half the memory at hand (the CPU's available memory; on a GPU its free
-memory), less the gradients and AdamW's two moments, is chosen: the other half is left to the rollouts' KV cache,
-the allocator and the rest of the process. Where none is, the leanest.
+A mode that keeps more is faster only by the forwards it does not recompute. Every mode recomputes the head's logits
+chunk by chunk; ``blocks`` and ``chunks`` recompute the blocks' forward once more, ``blocks+chunks`` twice. With the
+blocks' share ``b`` of a forward's FLOPs (the rest is the head, applied at completion positions only), a training pass
+takes, in forwards, ``3 + (1 - b)`` with no checkpointing, ``b`` more with ``blocks`` or ``chunks`` and ``2b`` more with
+both. Of the modes whose estimate is within half the memory at hand (the CPU's available memory; on a GPU its free
+memory) less the gradients and AdamW's two moments (the other half is left to the rollouts' KV cache, the allocator and
+the rest of the process), the one with the least time x expected peak is chosen: the peak is what the process holds
+when fitting starts, the gradients and moments, and the pass. A mode that saves a quarter of the pass's time is taken
+only if it raises the peak by less than a third: the memory a run holds is paid for as long as it runs, and the pass
+is only part of a step. Where no mode fits, the leanest.
 """
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +44,8 @@ MODES = (False, "blocks", "chunks", "blocks+chunks")
 SHARE = 0.5
 # the parameters' copies an optimizer step adds to the weights: their gradients and AdamW's two moments
 OPTIMIZER_COPIES = 3
+# forwards of the blocks each mode recomputes in the backward pass
+RECOMPUTED_BLOCK_PASSES = {False: 0, "blocks": 1, "chunks": 1, "blocks+chunks": 2}
 
 
 @dataclass(frozen=True)
@@ -159,20 +170,44 @@ def training_pass_bytes(mode: bool | str, kept: KeptPerToken, blocks: int, rows:
     return tokens * kept.final_state + chunk * (blocks * kept.block_input + activations)
 
 
+def pass_time(mode: bool | str, block_share: float) -> float:
+    """A training pass's FLOPs in ``mode``, in forwards: forward, backward (two), the head's recomputation and the
+    blocks' recomputations; ``block_share`` is the blocks' share of a forward."""
+    return 3 + (1 - block_share) + RECOMPUTED_BLOCK_PASSES[mode] * block_share
+
+
 def choose_checkpointing(kept: KeptPerToken, blocks: int, rows: int, row_tokens: int, chunk_tokens: int | None,
-                         memory_at_hand: int, parameter_bytes: int) -> CheckpointingChoice:
-    """The fastest mode whose training pass keeps at most :data:`SHARE` of ``memory_at_hand`` less the optimizer's
-    copies of ``parameter_bytes``; the leanest where none does. The chunk modes only with ``chunk_tokens``."""
+                         memory_at_hand: int, parameter_bytes: int, held_bytes: int = 0,
+                         block_share: float = 1.0) -> CheckpointingChoice:
+    """Of the modes whose training pass keeps at most :data:`SHARE` of ``memory_at_hand`` less the optimizer's copies
+    of ``parameter_bytes``, the one with the least :func:`pass_time` x expected peak (``held_bytes``, what the process
+    holds now, the optimizer's copies and the pass); the leanest where none fits. The chunk modes only with
+    ``chunk_tokens``."""
     modes = MODES if chunk_tokens else MODES[:2]
     estimates = {mode: training_pass_bytes(mode, kept, blocks, rows, row_tokens, chunk_tokens) for mode in modes}
-    budget = SHARE * memory_at_hand - OPTIMIZER_COPIES * parameter_bytes
+    optimizer_bytes = OPTIMIZER_COPIES * parameter_bytes
+    budget = SHARE * memory_at_hand - optimizer_bytes
+    peaks = {mode: held_bytes + optimizer_bytes + estimates[mode] for mode in modes}
+    costs = {mode: pass_time(mode, block_share) * peaks[mode] for mode in modes}
     fitting = [mode for mode in modes if estimates[mode] <= budget]
-    mode = fitting[0] if fitting else min(modes, key=estimates.__getitem__)
-    kept_by_mode = ", ".join(f"{mode_name(m)} {estimates[m] / 2**30:.2f}" for m in modes)
-    reason = (f"a training pass of {rows} rows of {row_tokens:,} tokens keeps about {kept_by_mode} GiB; "
-              f"{budget / 2**30:.2f} GiB at hand for it ({SHARE:.0%} of {memory_at_hand / 2**30:.1f} GiB, less gradients and "
-              "optimizer state)")
+    mode = min(fitting, key=costs.__getitem__) if fitting else min(modes, key=estimates.__getitem__)
+    per_mode = ", ".join(f"{mode_name(m)} {estimates[m] / 2**30:.2f} GiB ({costs[m] / costs[mode]:.2f})" for m in modes)
+    reason = (f"expected peak {peaks[mode] / 2**30:.2f} GiB: {held_bytes / 2**30:.2f} held now, {optimizer_bytes / 2**30:.2f} of "
+              f"gradients and optimizer state, {estimates[mode] / 2**30:.2f} for a training pass of {rows} rows of {row_tokens:,} "
+              f"tokens; the pass per mode (time x peak against this one's): {per_mode}; {budget / 2**30:.2f} GiB at hand for "
+              f"the pass ({SHARE:.0%} of {memory_at_hand / 2**30:.1f} GiB, less gradients and optimizer state)")
     return CheckpointingChoice(mode, reason if fitting else reason + "; none fits, the leanest is used")
+
+
+def block_share(model: torch.nn.Module, row_tokens: int, completion_tokens: int) -> float:
+    """The blocks' share of the FLOPs of a forward over a row of ``row_tokens`` tokens whose last ``completion_tokens``
+    meet the head: the blocks' matrices and causal attention at every token, the head at the completion's."""
+    config = model.config
+    head = model.get_output_embeddings().weight
+    skipped = {id(model.get_input_embeddings().weight), id(head)}
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skipped)
+    in_blocks = matrices * row_tokens + config.num_hidden_layers * config.hidden_size * row_tokens**2
+    return in_blocks / (in_blocks + head.numel() * completion_tokens)
 
 
 def memory_at_hand(device: torch.device) -> int | None:
@@ -189,14 +224,28 @@ def memory_at_hand(device: torch.device) -> int | None:
     return None
 
 
+def held_now(device: torch.device) -> int:
+    """Bytes the process holds: on a GPU what tensors take of it, on a CPU its resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def auto_checkpointing(module, trainer, rows: int, row_tokens: int) -> CheckpointingChoice:
     """The mode for ``module``'s fit under ``trainer``, whose micro-batches hold ``rows`` rows of ``row_tokens`` tokens at
     most in each process (the datamodule tells: ``RolloutDataModule.micro_batch_shape``)."""
     model = module.policy.model
-    at_hand = memory_at_hand(trainer.strategy.root_device)
+    device = trainer.strategy.root_device
+    at_hand = memory_at_hand(device)
     if at_hand is None:
         return CheckpointingChoice("blocks", "the memory at hand is unknown on this machine")
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     autocast = torch.bfloat16 if str(trainer.precision).startswith("bf16") else None
-    return choose_checkpointing(kept_per_token(model.config, autocast), model.config.num_hidden_layers, rows, row_tokens,
-                                module.max_tokens_per_chunk, at_hand, parameter_bytes)
+    return choose_checkpointing(
+        kept_per_token(model.config, autocast), model.config.num_hidden_layers, rows, row_tokens, module.max_tokens_per_chunk,
+        at_hand, parameter_bytes, held_now(device), block_share(model, row_tokens, min(module.max_new_tokens, row_tokens)),
+    )

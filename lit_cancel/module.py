@@ -103,9 +103,9 @@ class PolicyModule(L.LightningModule, PolicySampling):
             every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, at
             the cost of one more forward pass; it keeps what ``"chunks"`` keeps, and the recomputation holds
             one chunk's block inputs and one block's activations: the least memory for long completions on
-            large models (docs/gpu.md gives the bytes per token). False: none. ``"auto"``: the fastest mode whose
-            training pass fits half the memory at hand, chosen when fitting starts and stated in the log
-            (:mod:`lit_cancel.activation_checkpointing`).
+            large models (docs/gpu.md gives the bytes per token). False: none. ``"auto"``: of the modes whose
+            training pass fits half the memory at hand, the one with the least modelled time x expected peak,
+            chosen when fitting starts and stated in the log with that peak (:mod:`lit_cancel.activation_checkpointing`).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
