@@ -25,7 +25,9 @@ Matched settings, both sides:
 * the GRPO objective: TRL ``loss_type="grpo"`` (per-sequence token mean), ``scale_rewards="group"``,
   ``epsilon=0.2``, ``beta=0``; lit_cancel ``GRPO()`` (the same terms, no reference model);
 * the same prompts (3-digit additions) and reward (``AdditionTask.reward``);
-* AdamW, lr 1e-6, no weight decay, gradient norm clipped at 1.0 (TRL's default ``max_grad_norm``);
+* AdamW, lr 1e-6, no weight decay, gradient norm clipped at 1.0 (TRL's default ``max_grad_norm``); PyTorch's fused
+  AdamW (one pass over each parameter's state) on both sides: TRL's default ``optim="adamw_torch_fused"``,
+  lit_cancel ``torch.optim.AdamW(fused=True)``;
 * activation checkpointing as the row says (TRL's ``GRPOConfig`` turns it on by default, lit_cancel off);
 * the length sweep (``--sweep``): the 0.8 M model with checkpointing on (lit_cancel ``activation_checkpointing: chunks``),
   limits of 128 to 2,048 new tokens, each with lengths that vary (EOS's logit set for a mean length of 0.45 of the limit,
@@ -273,13 +275,13 @@ def run_trl(folder: str, row: Row, steps: int) -> tuple[list[float], list[list[i
 
 
 def lit_cancel_module(folder: str, row: Row, **options):
-    """The ``RLModule`` of a row: GRPO, sampling at T = 1, AdamW without weight decay; ``options`` override."""
+    """The ``RLModule`` of a row: GRPO, sampling at T = 1, fused AdamW without weight decay; ``options`` override."""
     from lit_cancel import GRPO, RLModule
 
     settings = dict(
         objective=GRPO(clip_eps=0.2), temperature=1.0, top_p=1.0, max_new_tokens=row.new_tokens,
         activation_checkpointing=row.checkpointing, generation_kwargs=generation_kwargs(row), compile=row.compiled,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True),
     )
     return RLModule(folder, **{**settings, **options})
 

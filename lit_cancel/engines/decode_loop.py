@@ -35,6 +35,7 @@ from transformers.generation.logits_process import (
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest
 from lit_cancel.engines.kept_cache import KeptCache, Prefill
 from lit_cancel.host_memory import release_free_heap
+from lit_cancel.onednn_linears import onednn_linears
 
 DECODE_LOOP_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 DECODE_LOOP_OPTIONS = frozenset({"suppress_tokens", "top_k", "min_p"})
@@ -303,6 +304,12 @@ def _generate(model: nn.Module, **kwargs) -> Tensor:
     return model.generate(**kwargs)
 
 
+def _sample_with_onednn_linears(model: nn.Module, *args) -> Tensor:
+    """:func:`sample_completions` with the model's large float32 products through oneDNN on a CPU (:mod:`lit_cancel.onednn_linears`)."""
+    with torch.no_grad(), onednn_linears(model):
+        return sample_completions(model, *args)
+
+
 class DecodeLoop(HFGenerate):
     """lit_cancel's decode loop (one prefill per prompt, a cache written in place, finished rows dropped).
 
@@ -326,7 +333,7 @@ class DecodeLoop(HFGenerate):
             self.kept = KeptCache(policy.step)
         processors = logits_processors(options.generation_kwargs, options.temperature, options.top_p, request.greedy)
         sequences = policy.root(
-            sample_completions, request.input_ids, request.attention_mask, request.num_samples, options.max_new_tokens,
+            _sample_with_onednn_linears, request.input_ids, request.attention_mask, request.num_samples, options.max_new_tokens,
             options.stop_token_ids, options.pad_token_id, processors, request.greedy, self.kept,
         )
         if self.kept is None:
