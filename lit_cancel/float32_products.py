@@ -12,6 +12,7 @@ they are.
 kernels are its own) and says so when fitting starts.
 """
 
+import platform
 import re
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -30,6 +31,20 @@ def cpu_flags() -> set[str] | None:
     except OSError:
         return None
     return None if found is None else set(found[1].split())
+
+
+def cpu_identity(cpuinfo: str | None = None) -> dict:
+    """``cpu``, the CPU's model name, and ``cpu_model``, its family, model and stepping numbers (``"family 25 model 1
+    stepping 1"``), from ``/proc/cpuinfo`` (``cpuinfo``, its text): a virtual machine's model name may be only the
+    vendor's line ("AMD EPYC"), the numbers name the generation."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    numbers = " ".join(f"{name.removeprefix('cpu ')} {fields[name]}" for name in ("cpu family", "model", "stepping") if name in fields)
+    return {"cpu": fields.get("model name", platform.processor()), "cpu_model": numbers}
 
 
 def cpu_has_native_bf16() -> bool | None:

@@ -28,7 +28,6 @@ its bound is the float32 peak, its weights are read as float32.
 
 import argparse
 import logging
-import platform
 import statistics
 import tempfile
 import time
@@ -40,7 +39,7 @@ import transformers
 from profile_step import RoundShape, profile  # benchmarks/performance/ is on the path when run as a script
 from vs_trl import ROWS
 
-from lit_cancel.float32_products import wants_float32_products
+from lit_cancel.float32_products import cpu_identity, wants_float32_products
 
 GEMM_SIZE, TRIAD_ELEMENTS = 2048, 2**26
 # float32 words the optimizer step reads or writes per trained parameter: clipping (norm, scale) 3, AdamW 7
@@ -178,19 +177,6 @@ def phases(steps: list[dict[str, float]], rounds: list[RoundShape], shape: Shape
     return table
 
 
-def cpu_model() -> str:
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, "
-            f"stepping {fields.get('stepping', '?')})")
-
-
 def quantity(value: float, unit: str) -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
         if value >= scale:
@@ -213,7 +199,8 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     limits = measure_limits()
-    print(f"{cpu_model()}, {args.threads} threads: GEMM peak {quantity(limits.float32_flops, 'FLOP/s')} float32, "
+    cpu = cpu_identity()
+    print(f"{cpu['cpu']} ({cpu['cpu_model']}), {args.threads} threads: GEMM peak {quantity(limits.float32_flops, 'FLOP/s')} float32, "
           f"{quantity(limits.bfloat16_flops, 'FLOP/s')} bfloat16; triad bandwidth {quantity(limits.bandwidth, 'B/s')}; "
           f"median of {args.steps} steps after {args.warmup} warm-up\n")
     print("| row | phase | ms per step | work per step | least time | binds | share of the bound |")

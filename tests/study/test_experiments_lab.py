@@ -318,7 +318,7 @@ def test_a_robust_equivalence_label_is_not_called_fragile():
 
 
 def test_a_runs_provenance_names_the_cpus_family_model_and_stepping_beside_its_model_name():
-    from lab.runs import cpu_identity
+    from lit_cancel.float32_products import cpu_identity
 
     cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nstepping\t: 1\n" \
               "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nstepping\t: 1\n"

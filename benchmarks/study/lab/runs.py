@@ -315,27 +315,13 @@ def provenance(threads: int | None) -> dict:
 
     import torch
 
+    from lit_cancel.float32_products import cpu_identity
+
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
     return {"commit": commit + ("+modified" if dirty.strip() else ""), "torch": torch.__version__, **cpu_identity(),
             "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(), "python": platform.python_version(),
             "pip_freeze": pip_freeze()}
-
-
-def cpu_identity(cpuinfo: str | None = None) -> dict:
-    """``cpu``, the CPU's model name, and ``cpu_model``, its family, model and stepping numbers (``"family 25 model 1
-    stepping 1"``), from ``/proc/cpuinfo`` (``cpuinfo``, its text): a virtual machine's model name may be only the
-    vendor's line ("AMD EPYC"), the numbers name the generation."""
-    import platform
-
-    if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    numbers = " ".join(f"{name.removeprefix('cpu ')} {fields[name]}" for name in ("cpu family", "model", "stepping") if name in fields)
-    return {"cpu": fields.get("model name", platform.processor()), "cpu_model": numbers}
 
 
 def fit(command: list[str], threads: int | None = None) -> tuple[dict[str, list[list[float]]], float, str]:
