@@ -28,7 +28,6 @@ is only part of a step. Where no mode fits, the leanest.
 """
 
 import copy
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +35,7 @@ from functools import partial
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from lit_cancel.host_memory import resident_bytes
 from lit_cancel.logprobs import completion_logprobs
 
 AUTO = "auto"
@@ -229,8 +229,7 @@ def held_now(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return resident_bytes()
     except OSError:
         return 0
 
