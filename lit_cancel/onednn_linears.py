@@ -2,7 +2,7 @@
 
 A decoding step multiplies a few dozen rows (one token of each sequence) by every weight matrix. PyTorch sends a
 float32 ``linear`` on a CPU to its BLAS (MKL in the PyPI wheels), which runs such skinny products far below the CPU's
-peak on some machines: on a 2-core AMD EPYC (Zen 3), 32 rows by Qwen2.5-0.5B's matrices ran at 25–45 GFLOP/s
+peak on some machines: on a 2-core AMD EPYC (Zen 3), 32 rows by Qwen2.5-0.5B's matrices ran at 25–60 GFLOP/s
 through MKL and at 67–74 through oneDNN's ``linear`` (``torch.ops.mkldnn._linear_pointwise``), against 115 for a
 large square product (``benchmarks/performance/roofline.py``). For small matrices oneDNN's fixed cost per call is the
 larger (tens of microseconds); from about a million weights the two were even or oneDNN ahead.
