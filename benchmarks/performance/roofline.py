@@ -30,13 +30,13 @@ import argparse
 import logging
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import transformers
 from profile_step import RoundShape, profile  # benchmarks/performance/ is on the path when run as a script
+from timing import median_ms
 from vs_trl import ROWS
 
 from lit_cancel.float32_products import cpu_identity, wants_float32_products
@@ -93,29 +93,19 @@ class Shape:
         return 2 * self.block_weights * tokens + 2 * self.head_weights * completion_tokens + 2 * self.blocks * self.hidden * tokens**2
 
 
-def median_seconds(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def measure_limits() -> Limits:
     def gemm(dtype: torch.dtype) -> float:
         size = 256
         while True:  # grows until a product takes a tenth of a second (an emulated bfloat16 product is slow)
             a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-            product = partial(torch.mm, a, b, out=torch.empty_like(a))
-            if median_seconds(product, 1) >= 0.1 or size == GEMM_SIZE:
-                return 2 * size**3 / median_seconds(product, 7)
+            product = partial(torch.mm, out=torch.empty_like(a))
+            if median_ms(product, (a, b), 1) >= 100 or size == GEMM_SIZE:
+                return 2 * size**3 / (median_ms(product, (a, b), 7) / 1e3)
             size *= 2
 
     a, b, c = (torch.rand(TRIAD_ELEMENTS) for _ in range(3))
-    triad = median_seconds(lambda: torch.add(b, c, alpha=2.0, out=a), 7)
-    return Limits(gemm(torch.float32), gemm(torch.bfloat16), 12 * TRIAD_ELEMENTS / triad)
+    triad_ms = median_ms(partial(torch.add, alpha=2.0, out=a), (b, c), 7)
+    return Limits(gemm(torch.float32), gemm(torch.bfloat16), 12 * TRIAD_ELEMENTS / (triad_ms / 1e3))
 
 
 def bound(flops: float, moved: float, flops_per_s: float, bandwidth: float) -> Work:
