@@ -9,10 +9,10 @@ import pytest
 from lab import sections_e12, summaries
 from lab.cells import FAMILIES, format_p, seed_ranges
 from lab.sections import experiment_sections
-from lab.sections_e12 import READINGS, e12_results, e12_section, forcing_works
+from lab.sections_e12 import READINGS, e12_readme_lines, e12_results, e12_section, forcing_works
 from lab.summaries import load_e12
 from scipy import stats
-from test_verdict_wording import generated_problems
+from test_verdict_wording import generated_problems, readme_problems
 
 SEEDS = range(200, 226)
 DFPO_SEEDS = range(200, 205)
@@ -309,3 +309,29 @@ def test_the_robustness_lines_give_medians_signs_and_leave_one_out_ps_that_match
     assert f"the effect's p is 0.025 or above without seed {seed_ranges(fragile)}: fragile" in agreeing
     # the mixed warm start's P is within ±0.002 whichever seed is left out
     assert mixed.endswith("the TOST p stays below 0.025 whichever seed is left out")
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_readme_bullet_gives_each_warm_starts_tests_and_the_preregistered_reading(tmp_path, name):
+    write_runs(tmp_path, plan_of(name))
+    runs = load_e12(tmp_path)
+    rendered(runs)  # fills the Holm families, as the report does before README's bullets
+    lines = e12_readme_lines(runs)
+    results = e12_results(runs)
+    bullet = "\n".join(lines)
+    assert len(lines) == 2 and lines[0].startswith("* **Agreement itself (E12, pre-registered, 26 seeds a warm start)**")
+    for (outcome, warm_start), verdict in VERDICTS[name].items():
+        result = results[(outcome, warm_start)]
+        assert f"Holm p {format_p(result.holm)}, TOST ±{MARGINS[outcome]:g} Holm p {format_p(result.holm_tost)}: {verdict})" in bullet
+    agreeing, mixed = EXPECTED[name]
+    assert bullet.endswith(f"the reading is agreeing: {agreeing}, mixed: {mixed}.")
+    problems, checked = readme_problems(bullet)
+    assert not problems, "\n".join(problems)
+    assert checked == 6
+
+
+def test_the_readme_bullet_waits_for_five_pairs_at_each_warm_start(tmp_path):
+    write_runs(tmp_path, plan_of("raises, does not raise"), independent_seeds=range(200, 204))
+    runs = load_e12(tmp_path)
+    rendered(runs)
+    assert e12_readme_lines(runs) == []

@@ -295,6 +295,8 @@ def readme_problems(text: str) -> tuple[list[str], int]:
             except ValueError as error:
                 problems.append(f"{match.group(0)}: {error}")
                 continue
+            if margin is not None and expected.startswith("no difference larger than"):
+                expected = f"no difference larger than {match.group('margin')}"  # as printed: 0.002, not 0.00
             if match.group("verdict") != expected:
                 problems.append(f"{match.group(0)}: the rule gives {expected!r}")
         for word in README_WORDS.finditer(line):

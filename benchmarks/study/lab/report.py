@@ -16,6 +16,7 @@ from lab.sections_e10 import BASE, PRIMARY, PRIMARY_TOST, SENSITIVITY, confirm_v
 from lab.sections_e10 import OUTCOMES as E10_OUTCOMES
 from lab.sections_e11 import AGREEING, MIXED
 from lab.sections_e11 import PRIMARY as E11_PRIMARY
+from lab.sections_e12 import e12_readme_lines
 from lab.stats import (
     ALPHA,
     equivalent,
@@ -192,6 +193,7 @@ def readme_lines(results: dict) -> list[str]:
         f"  sign-sorted (its opposite) − reward-balanced {_signed(opposite, 3)} ± {opposite_half:.3f} ({sorted_claim}).",
         *e10_readme_lines(results["E10"], results.get("E10C")),
         *e11_readme_lines(dict(results.get("E11", {}))),
+        *e12_readme_lines(dict(results.get("E12", {}))),
         README_END,
     ]
 

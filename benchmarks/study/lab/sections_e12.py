@@ -418,3 +418,29 @@ def e12_section(runs: dict, pilot: dict | None = None) -> list[str]:
     lines += [_row(outcome, warm_start, results[(outcome.name, warm_start)]) for outcome in (S1, S2) for warm_start in WARM_STARTS]
     robustness = robustness_lines(arms, results)
     return lines + [""] + reading_lines(arms, results) + [""] + (robustness + [""] if robustness else []) + untested_lines(arms)
+
+
+def _readme_claim(outcome: Outcome, result: Result) -> str:
+    """``forced − independent (Holm p X, TOST ±m Holm p Y: verdict)``, the form tests/study/test_verdict_wording.py reads."""
+    return (f"{format_interval(result.mean, result.half, outcome.digits)} (Holm p {format_p(result.holm)}, TOST ±{outcome.margin:g} "
+            f"Holm p {format_p(result.holm_tost)}: {result.verdict})")
+
+
+def e12_readme_lines(runs: dict) -> list[str]:
+    """E12's bullet in README.md (after the report's families are filled): at each warm start GRPO's tax forced −
+    independent, how far the forcing moved success and entropy, and the pre-registered combined reading; nothing until
+    both warm starts have :data:`MIN_SEEDS` pairs."""
+    results = e12_results(runs)
+    if any(results[("P", warm_start)].n < MIN_SEEDS for warm_start in WARM_STARTS):
+        return []
+    arms = _arms(runs)
+    readings = {warm_start: combined_reading(*(results[(o.name, warm_start)].verdict for o in OUTCOMES), manipulation(arms[warm_start])[0])
+                for warm_start in WARM_STARTS}
+    seeds = min(results[("P", warm_start)].n for warm_start in WARM_STARTS)
+    taxes = "; ".join(f"from the {w} warm start {_readme_claim(PRIMARY, results[('P', w)])}" for w in WARM_STARTS)
+    moved = "; ".join(f"{w}: success {_readme_claim(S1, results[('S1', w)])}, entropy {_readme_claim(S2, results[('S2', w)])}"
+                      for w in WARM_STARTS)
+    return [f"* **Agreement itself (E12, pre-registered, {seeds} seeds a warm start)**: a group's first turn forced to be shared "
+            f"against independent episodes, GRPO's tax forced − independent {taxes};",
+            f"  the forcing had to leave success and entropy as they were ({moved}): the reading is "
+            + ", ".join(f"{w}: {readings[w]}" for w in WARM_STARTS) + "."]
