@@ -14,6 +14,8 @@ from transformers import GenerationConfig
 
 from lit_cancel.activation_checkpointing import AUTO, auto_checkpointing, mode_name, use_activation_checkpointing
 from lit_cancel.batch import RolloutBatch
+from lit_cancel.compile_choice import AUTO as COMPILE_AUTO
+from lit_cancel.compile_choice import auto_compile
 from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.float32_products import float32_products, wants_float32_products
 from lit_cancel.host_memory import bound_kernel_cache
@@ -113,7 +115,9 @@ class PolicyModule(L.LightningModule, PolicySampling):
         compile: ``torch.compile`` the model's decoder (``dynamic=True``, compiled when the trainer sets
             the model up), which every decoding step and log-prob pass runs: it pays for its compilation
             in long runs of small models (benchmarks/README.md has the figures). Needs a C++ compiler on a
-            CPU; not with a sharding strategy.
+            CPU; not with a sharding strategy. ``"auto"``: compiled when the run's ``max_steps`` save more
+            time than compiling costs, as modelled when fitting starts and stated in the log
+            (:mod:`lit_cancel.compile_choice`); eager under a sharding strategy and in a validation outside fitting.
     """
 
     def __init__(
@@ -135,7 +139,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
         activation_checkpointing: bool | Literal["blocks", "chunks", "blocks+chunks", "auto"] = False,
         generation_kwargs: dict | None = None,
         engine: RolloutEngine | None = None,
-        compile: bool = False,
+        compile: bool | Literal["auto"] = False,
     ):
         super().__init__()
         bound_kernel_cache()
@@ -156,7 +160,9 @@ class PolicyModule(L.LightningModule, PolicySampling):
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
         self.max_tokens_per_chunk, self.pack_sequences = max_tokens_per_chunk, pack_sequences
-        self.compile = compile
+        if compile not in (True, False, COMPILE_AUTO):
+            raise ValueError(f"compile must be true, false or 'auto', got {compile!r}")
+        self.compile = compile  # "auto" until setup chooses
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
         model = load_causal_lm(model_path, from_scratch=from_scratch, dtype=dtype, attn_implementation=attn_implementation).train()
@@ -190,10 +196,14 @@ class PolicyModule(L.LightningModule, PolicySampling):
         )
 
     def setup(self, stage: str) -> None:
-        """Chooses ``activation_checkpointing: auto``'s mode when fitting starts; on a CPU without bfloat16 instructions,
-        a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
+        """Chooses ``compile: auto``'s and ``activation_checkpointing: auto``'s answers when fitting starts; on a CPU without
+        bfloat16 instructions, a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
+        if self.compile == COMPILE_AUTO and stage == TrainerFn.FITTING:  # a validation before fitting runs eager
+            choice = auto_compile(self, self.trainer)
+            self.compile = choice.compile
+            rank_zero_info(f"model.init_args.compile auto: {str(choice.compile).lower()} ({choice.reason})")
         precision = str(self.trainer.precision)
-        widen = wants_float32_products(precision, self.trainer.strategy.root_device, self.compile)
+        widen = wants_float32_products(precision, self.trainer.strategy.root_device, self.compile is True)
         if widen and not self.policy.float32_products:  # said once, though validate and fit each set the module up
             rank_zero_info(f"trainer.precision {precision}: this CPU has no bfloat16 instructions, so each bfloat16 matrix product is "
                            "computed in float32 from the same bfloat16 values and rounded back, several times faster than "
@@ -211,7 +221,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
         """Shards the policy block by block under ``ModelParallelStrategy`` (FSDP2; ``FSDPStrategy`` is refused); compiles
         its decoder with ``compile``."""
         self.policy = shard(self.policy, self.trainer.strategy, str(self.trainer.precision))
-        if self.compile and compile_decoder(self.policy):  # once, though each of validate and fit configures the model
+        if self.compile is True and compile_decoder(self.policy):  # once, though each of validate and fit configures the model
             rank_zero_info("model.init_args.compile: the decoder is compiled at its first pass of each kind (rollout, training, "
                            "validation); on a CPU each can take a minute before the run goes on at full speed")
 
@@ -379,7 +389,7 @@ class RLModule(PolicyModule):
         super().configure_model()
         if self.reference is not None:
             self.reference = shard(self.reference, self.trainer.strategy, str(self.trainer.precision))
-            if self.compile:
+            if self.compile is True:
                 compile_decoder(self.reference)
 
     @torch.no_grad()
