@@ -27,7 +27,6 @@ only if it raises the peak by less than a third: the memory a run holds is paid 
 is only part of a step. Where no mode fits, the leanest.
 """
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_cancel.host_memory import resident_bytes
+from lit_cancel.hub import cut_config
 from lit_cancel.logprobs import completion_logprobs
 
 AUTO = "auto"
@@ -102,10 +102,7 @@ def kept_per_token(config: PretrainedConfig, autocast: torch.dtype | None = None
     measured = {}
     with torch.random.fork_rng(devices=[]), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         for blocks in (1, 2):
-            cut = copy.deepcopy(config)
-            cut.num_hidden_layers, cut.vocab_size = blocks, 256
-            if getattr(cut, "layer_types", None):
-                cut.layer_types = cut.layer_types[:blocks]
+            cut = cut_config(config, blocks, vocab_size=256)
             model = AutoModelForCausalLM.from_config(cut, dtype=torch.float32).train()
             for tokens in lengths:
                 ids = torch.randint(cut.vocab_size, (1, tokens))

@@ -24,7 +24,6 @@ step was slower. ``MIN_DISPATCH_SHARE`` lies between the two; the share saved an
 the one measurement where compiling paid.
 """
 
-import copy
 import time
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.engines.decode_loop import cache_keyword
+from lit_cancel.hub import cut_config
 from lit_cancel.sharding import shards
 
 AUTO = "auto"
@@ -65,21 +65,11 @@ class Overhead:
 def narrow_config(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` at 8 dimensions a head, an MLP twice as wide and a vocabulary of 256: the same blocks and operations, next
     to no arithmetic."""
-    narrow = copy.deepcopy(config)
+    narrow = cut_config(config, config.num_hidden_layers, vocab_size=256)
     narrow.hidden_size = HEAD_WIDTH * config.num_attention_heads
     narrow.head_dim = HEAD_WIDTH
     narrow.intermediate_size = 2 * narrow.hidden_size
-    narrow.vocab_size = 256
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if isinstance(getattr(narrow, name, None), int) and getattr(narrow, name) >= 256:
-            setattr(narrow, name, 0)
     return narrow
-
-
-def one_block(config: PretrainedConfig) -> PretrainedConfig:
-    cut = copy.deepcopy(config)
-    cut.num_hidden_layers = 1
-    return cut
 
 
 def _median(timings: list[float]) -> float:
@@ -109,7 +99,7 @@ def decode_step_seconds(config: PretrainedConfig, rows: int, device: torch.devic
 def measure_overhead(config: PretrainedConfig, rows: int, device: torch.device, repeats: int = 5) -> Overhead:
     """:class:`Overhead` of a model of ``config`` decoding ``rows`` rows on ``device``."""
     narrow = narrow_config(config)
-    narrow_one, wide_one = (decode_step_seconds(one_block(c), rows, device, repeats) for c in (narrow, config))
+    narrow_one, wide_one = (decode_step_seconds(cut_config(c, 1), rows, device, repeats) for c in (narrow, config))
     return Overhead(decode_step_seconds(narrow, rows, device, repeats), min(1.0, narrow_one / wide_one))
 
 

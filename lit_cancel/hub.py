@@ -1,9 +1,10 @@
 """Loading models and tokenizers from local Hugging Face folders, or the embedded tiny model."""
 
+import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_PREFIX = "embedded:"
 ASSETS = Path(__file__).parent / "assets"
@@ -49,3 +50,18 @@ def load_causal_lm(
             AutoConfig.from_pretrained(folder), dtype=torch_dtype, attn_implementation=attn_implementation
         )
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
+
+
+def cut_config(config: PretrainedConfig, blocks: int, vocab_size: int | None = None) -> PretrainedConfig:
+    """A copy of ``config`` cut to its first ``blocks`` blocks (and their layer types), with ``vocab_size`` tokens where given
+    (special token ids outside it become 0): a model of the same blocks' shape to measure at start-up."""
+    cut = copy.deepcopy(config)
+    cut.num_hidden_layers = blocks
+    if getattr(cut, "layer_types", None):
+        cut.layer_types = cut.layer_types[:blocks]
+    if vocab_size is not None:
+        cut.vocab_size = vocab_size
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(getattr(cut, name, None), int) and getattr(cut, name) >= vocab_size:
+                setattr(cut, name, 0)
+    return cut

@@ -9,7 +9,6 @@ a training pass and a few decoding steps of one block of the model's shape, in f
 autocast.
 """
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -22,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from lit_cancel.engines.decode_loop import cache_keyword
 from lit_cancel.float32_products import bf16_instructions, cpu_has_native_bf16, float32_products
 from lit_cancel.host_memory import bound_kernel_cache
-from lit_cancel.hub import resolve_model_path
+from lit_cancel.hub import cut_config, resolve_model_path
 
 AUTO = "auto"
 # bfloat16 autocast is chosen on a CPU when it runs the model's work at least this much faster than float32
@@ -45,8 +44,7 @@ def cpu_bf16_speedup(config: PretrainedConfig, repeats: int = 5) -> float:
     bfloat16 instructions the bfloat16 products are computed in float32, as the run would compute them
     (:mod:`lit_cancel.float32_products`)."""
     bound_kernel_cache()
-    one_block = copy.deepcopy(config)
-    one_block.num_hidden_layers = 1
+    one_block = cut_config(config, 1)
     model = AutoModelForCausalLM.from_config(one_block)
     keyword = cache_keyword(model)
     generator = torch.Generator().manual_seed(0)
