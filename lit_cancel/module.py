@@ -198,8 +198,9 @@ class PolicyModule(L.LightningModule, PolicySampling):
     def setup(self, stage: str) -> None:
         """Chooses ``compile: auto``'s and ``activation_checkpointing: auto``'s answers when fitting starts; on a CPU without
         bfloat16 instructions, a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
+        # each choice is process 0's, which every process takes, though each measured its own machine
         if self.compile == COMPILE_AUTO and stage == TrainerFn.FITTING:  # a validation before fitting runs eager
-            choice = auto_compile(self, self.trainer)
+            choice = self.trainer.strategy.broadcast(auto_compile(self, self.trainer))
             self.compile = choice.compile
             rank_zero_info(f"model.init_args.compile auto: {str(choice.compile).lower()} ({choice.reason})")
         precision = str(self.trainer.precision)
@@ -212,7 +213,8 @@ class PolicyModule(L.LightningModule, PolicySampling):
             if isinstance(root, ModelRoot):
                 root.float32_products = widen
         if stage == "fit" and self.activation_checkpointing == AUTO:
-            choice = auto_checkpointing(self, self.trainer, *self.trainer.datamodule.micro_batch_shape(self.max_new_tokens))
+            shape = self.trainer.datamodule.micro_batch_shape(self.max_new_tokens)
+            choice = self.trainer.strategy.broadcast(auto_checkpointing(self, self.trainer, *shape))
             self.activation_checkpointing = choice.mode
             self.recompute_chunks = use_activation_checkpointing(self.policy.model, choice.mode)
             rank_zero_info(f"model.init_args.activation_checkpointing auto: {mode_name(choice.mode)} ({choice.reason})")
