@@ -77,5 +77,6 @@ def main() -> None:
               f"{training_saved * 1e3:.0f} | {compilation:.1f} | {narrow_decode * 1e3:.0f} | {overhead.dispatch_share:.0%} | "
               f"{saving / narrow_decode:.2f} | {compilation / (config.num_hidden_layers * KINDS):.1f} | {pays} / {predicted} |")
 
+
 if __name__ == "__main__":
     main()
