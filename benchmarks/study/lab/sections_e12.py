@@ -422,7 +422,8 @@ def e12_section(runs: dict, pilot: dict | None = None) -> list[str]:
 
 def _readme_claim(outcome: Outcome, result: Result) -> str:
     """``forced − independent (Holm p X, TOST ±m Holm p Y: verdict)``, the form tests/study/test_verdict_wording.py reads."""
-    return (f"{format_interval(result.mean, result.half, outcome.digits)} (Holm p {format_p(result.holm)}, TOST ±{outcome.margin:g} "
+    interval = format_interval(result.mean, result.half, outcome.digits).replace("-", "−")  # the README's minus sign
+    return (f"{interval} (Holm p {format_p(result.holm)}, TOST ±{outcome.margin:g} "
             f"Holm p {format_p(result.holm_tost)}: {result.verdict})")
 
 
