@@ -260,7 +260,7 @@ def generated_problems(text: str) -> tuple[list[str], int]:
     welch = list(WELCH.finditer(text))
     tost_lines = list(TOST_LINE.finditer(text))
     e11_rows = [line for line in text.splitlines() if line.startswith("| E11 P")]
-    e12_rows = [line for line in text.splitlines() if line.startswith("| E12 ")]
+    e12_rows = [line for line in text.splitlines() if re.match(r"\| E12 [PS]\d: ", line)]  # not the Holm families' table
     rows = [line for line in text.splitlines() if line.startswith(("| P1: ", "| P2: "))]
     primary = [line for line in rows if len(columns(line)) == 11]  # E10-confirm's rows have 10 columns
     confirm = [line for line in rows if line not in primary]
