@@ -112,12 +112,10 @@ class PolicyModule(L.LightningModule, PolicySampling):
             ``{"suppress_tokens": [EOS_ID], "min_p": 0.05}``; the objective's log-probs do not see them.
         engine: what samples rollouts and validation completions (:mod:`lit_cancel.engines`);
             :class:`~lit_cancel.DecodeLoop` when None. ``lit_cancel.VLLMEngine`` samples with vLLM.
-        compile: ``torch.compile`` the model's decoder (``dynamic=True``, compiled when the trainer sets
-            the model up), which every decoding step and log-prob pass runs: it pays for its compilation
-            in long runs of small models (benchmarks/README.md has the figures). Needs a C++ compiler on a
-            CPU; not with a sharding strategy. ``"auto"``: compiled when the run's ``max_steps`` save more
-            time than compiling costs, as modelled when fitting starts and stated in the log
-            (:mod:`lit_cancel.compile_choice`); eager under a sharding strategy and in a validation outside fitting.
+        compile: ``torch.compile`` the model's decoder (``dynamic=True``), which every decoding step and log-prob pass
+            runs; pays in long runs of small models. Needs a C++ compiler on a CPU; not with a sharding strategy.
+            ``"auto"``: compiled when the run's ``max_steps`` save more than compiling costs, as modelled when fitting
+            starts and stated in the log (:mod:`lit_cancel.compile_choice`).
     """
 
     def __init__(
@@ -155,13 +153,11 @@ class PolicyModule(L.LightningModule, PolicySampling):
         self.weights_version, self.engine_version = 0, None
         self.loaded_step = 0
         check_settings(temperature, top_p, max_new_tokens, val_samples, logprob_chunk_size, max_tokens_per_chunk, pack_sequences,
-                       activation_checkpointing)
+                       activation_checkpointing, compile)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.val_samples, self.logprob_chunk_size = val_samples, logprob_chunk_size
         self.max_tokens_per_chunk, self.pack_sequences = max_tokens_per_chunk, pack_sequences
-        if compile not in (True, False, COMPILE_AUTO):
-            raise ValueError(f"compile must be true, false or 'auto', got {compile!r}")
         self.compile = compile  # "auto" until setup chooses
         self.tokenizer = load_tokenizer(model_path, option="model_path")
         # from_pretrained returns eval mode; rollout() switches to eval itself
@@ -198,8 +194,8 @@ class PolicyModule(L.LightningModule, PolicySampling):
     def setup(self, stage: str) -> None:
         """Chooses ``compile: auto``'s and ``activation_checkpointing: auto``'s answers when fitting starts; on a CPU without
         bfloat16 instructions, a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
-        # each choice is process 0's, which every process takes, though each measured its own machine
-        if self.compile == COMPILE_AUTO and stage == TrainerFn.FITTING:  # a validation before fitting runs eager
+        # a validation before fitting runs eager; every process takes process 0's choices, though each measures its own
+        if self.compile == COMPILE_AUTO and stage == TrainerFn.FITTING:
             choice = self.trainer.strategy.broadcast(auto_compile(self, self.trainer))
             self.compile = choice.compile
             rank_zero_info(f"model.init_args.compile auto: {str(choice.compile).lower()} ({choice.reason})")
@@ -310,8 +306,11 @@ class PolicyModule(L.LightningModule, PolicySampling):
 
 
 def check_settings(temperature: float, top_p: float, max_new_tokens: int, val_samples: int, logprob_chunk_size: int,
-                   max_tokens_per_chunk: int | None, pack_sequences: bool, activation_checkpointing: bool | str) -> None:
+                   max_tokens_per_chunk: int | None, pack_sequences: bool, activation_checkpointing: bool | str,
+                   compile: bool | str = False) -> None:
     """Raises ValueError, naming the setting, for a :class:`PolicyModule` setting out of its range or one that needs another."""
+    if compile not in (True, False, COMPILE_AUTO):
+        raise ValueError(f"compile must be true, false or 'auto', got {compile!r}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not 0 < top_p <= 1:
