@@ -24,6 +24,7 @@ step was slower. ``MIN_DISPATCH_SHARE`` lies between the two; the share saved an
 the one measurement where compiling paid.
 """
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -72,10 +73,6 @@ def narrow_config(config: PretrainedConfig) -> PretrainedConfig:
     return narrow
 
 
-def _median(timings: list[float]) -> float:
-    return sorted(timings)[len(timings) // 2]
-
-
 def decode_step_seconds(config: PretrainedConfig, rows: int, device: torch.device, repeats: int) -> float:
     """Median seconds of a decoding step of ``rows`` rows (16 steps from a cache of 8 prompt tokens) of a model of
     ``config`` with random weights, over ``repeats`` after one untimed."""
@@ -93,7 +90,7 @@ def decode_step_seconds(config: PretrainedConfig, rows: int, device: torch.devic
         return (time.perf_counter() - started) / 16
 
     seconds()
-    return _median([seconds() for _ in range(repeats)])
+    return statistics.median(seconds() for _ in range(repeats))
 
 
 def measure_overhead(config: PretrainedConfig, rows: int, device: torch.device, repeats: int = 5) -> Overhead:

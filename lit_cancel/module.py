@@ -195,7 +195,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
         """Chooses ``compile: auto``'s and ``activation_checkpointing: auto``'s answers when fitting starts; on a CPU without
         bfloat16 instructions, a ``bf16`` precision's products are computed in float32 (:mod:`lit_cancel.float32_products`)."""
         # a validation before fitting runs eager; every process takes process 0's choices, though each measures its own
-        if self.compile == COMPILE_AUTO and stage == TrainerFn.FITTING:
+        if self.compile == COMPILE_AUTO and stage == "fit":
             choice = self.trainer.strategy.broadcast(auto_compile(self, self.trainer))
             self.compile = choice.compile
             rank_zero_info(f"model.init_args.compile auto: {str(choice.compile).lower()} ({choice.reason})")
