@@ -9,7 +9,7 @@ batch so that tokens after a stop token cost nothing. Its cache is written in pl
 double when full (only the rows still decoding move): ``generate``'s cache concatenates every layer's keys and values
 at every step, a copy that grows with the sequence (10% of decoding time at 24 M parameters and
 128 new tokens on a 2-core CPU). It applies ``generate``'s logits processors, in the same order, so greedy decoding
-gives the same tokens, and draws from the same distribution by :func:`sample_tokens`. Through an agent's
+gives the same tokens, and draws from the same distribution (:mod:`lit_cancel.engines.draw`). Through an agent's
 turns it keeps its cache (:mod:`lit_cancel.engines.kept_cache`): each turn prefills only what the episodes added.
 
 Models whose ``model_type`` is not in :data:`DECODE_LOOP_MODEL_TYPES`, and generation options
@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (
 )
 
 from lit_cancel.engines.base import PolicyWeights, RolloutEngine, Sampled, SampleRequest
+from lit_cancel.engines.draw import sample_tokens
 from lit_cancel.engines.kept_cache import KeptCache, Prefill
 from lit_cancel.host_memory import release_free_heap
 from lit_cancel.onednn_linears import onednn_linears
@@ -67,29 +68,6 @@ def logits_processors(generation_kwargs: dict, temperature: float, top_p: float,
     if generation_kwargs.get("min_p") is not None:
         processors.append(MinPLogitsWarper(generation_kwargs["min_p"]))
     return processors
-
-
-def sample_tokens(scores: Tensor) -> Tensor:
-    """One token per row of ``scores`` (``[rows, vocabulary]`` logits after the processors), drawn from their softmax.
-
-    The draw inverts each row's cumulative distribution, summed in float64 (float32 on Apple's MPS, which has no
-    float64), at a uniform point of ``(0, total]``: ``torch.multinomial`` on a CPU races one exponential draw per
-    vocabulary entry, several times slower (benchmarks/performance/sampling.py). Logits that are not finite (a
-    diverged model) raise instead of sampling."""
-    dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-    cumulative = torch.softmax(scores, dim=-1).cumsum(-1, dtype=dtype)
-    total = cumulative[:, -1:]
-    if not bool(torch.isfinite(total).all()):
-        raise ValueError("the decode loop: the policy's logits are not finite (NaN or inf), so nothing can be sampled; "
-                         "the model has diverged or its weights hold NaN")
-    return tokens_at(cumulative, (1 - torch.rand(total.shape, dtype=dtype, device=total.device)) * total)
-
-
-def tokens_at(cumulative: Tensor, points: Tensor) -> Tensor:
-    """The token of each row whose slice of ``cumulative`` (``[rows, vocabulary]``, non-decreasing) holds its point
-    (``[rows, 1]``, in ``(0, total]``): the first entry at or above it. A token of probability zero adds an empty slice,
-    so it is never chosen, at either end of the range included."""
-    return torch.searchsorted(cumulative, points).squeeze(1)
 
 
 def _release_outgrown(buffers: tuple[Tensor, Tensor]) -> None:
