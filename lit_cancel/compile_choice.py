@@ -25,14 +25,13 @@ the one measurement where compiling paid.
 """
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lit_cancel.data import RolloutDataModule
-from lit_cancel.engines.decode_loop import cache_keyword
+from lit_cancel.engines.decode_loop import greedy_decoding_seconds
 from lit_cancel.hub import cut_config
 from lit_cancel.sharding import shards
 
@@ -77,20 +76,9 @@ def decode_step_seconds(config: PretrainedConfig, rows: int, device: torch.devic
     """Median seconds of a decoding step of ``rows`` rows (16 steps from a cache of 8 prompt tokens) of a model of
     ``config`` with random weights, over ``repeats`` after one untimed."""
     model = AutoModelForCausalLM.from_config(config).to(device)
-    keyword = cache_keyword(model)
     prompts = torch.randint(config.vocab_size, (rows, 8), generator=torch.Generator().manual_seed(0)).to(device)
-
-    @torch.no_grad()
-    def seconds() -> float:
-        cache = DynamicCache(config=config)
-        out = model(input_ids=prompts, use_cache=True, **{keyword: cache})
-        started = time.perf_counter()
-        for _ in range(16):
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{keyword: cache})
-        return (time.perf_counter() - started) / 16
-
-    seconds()
-    return statistics.median(seconds() for _ in range(repeats))
+    greedy_decoding_seconds(model, prompts, 16)
+    return statistics.median(greedy_decoding_seconds(model, prompts, 16) / 16 for _ in range(repeats))
 
 
 def measure_overhead(config: PretrainedConfig, rows: int, device: torch.device, repeats: int = 5) -> Overhead:

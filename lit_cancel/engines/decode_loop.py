@@ -17,13 +17,14 @@ outside :data:`DECODE_LOOP_OPTIONS`, are left to ``generate``.
 """
 
 import inspect
+import time
 from collections.abc import Sequence
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessorList
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
@@ -172,6 +173,19 @@ def cache_keyword(model: nn.Module) -> str:
     older ``past_key_values`` with a warning on every call), ``past_key_values`` before."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it on
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def greedy_decoding_seconds(model: nn.Module, prompts: Tensor, steps: int) -> float:
+    """Seconds ``model`` takes for ``steps`` greedy decoding steps of ``prompts``' rows, after prefilling them (untimed)
+    into a fresh Hugging Face cache: how the choices made at start-up time a model's decoding."""
+    keyword = cache_keyword(model)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompts, use_cache=True, **{keyword: cache})
+    started = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{keyword: cache})
+    return time.perf_counter() - started
 
 
 @torch.no_grad()

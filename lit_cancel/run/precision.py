@@ -16,9 +16,9 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.fabric.connector import _PRECISION_INPUT
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from lit_cancel.engines.decode_loop import cache_keyword
+from lit_cancel.engines.decode_loop import greedy_decoding_seconds
 from lit_cancel.float32_products import bf16_instructions, cpu_has_native_bf16, float32_products
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import cut_config, resolve_model_path
@@ -46,7 +46,6 @@ def cpu_bf16_speedup(config: PretrainedConfig, repeats: int = 5) -> float:
     bound_kernel_cache()
     one_block = cut_config(config, 1)
     model = AutoModelForCausalLM.from_config(one_block)
-    keyword = cache_keyword(model)
     generator = torch.Generator().manual_seed(0)
     sequences = torch.randint(config.vocab_size, (1, 128), generator=generator)
     prompts = torch.randint(config.vocab_size, (16, 8), generator=generator)
@@ -57,11 +56,7 @@ def cpu_bf16_speedup(config: PretrainedConfig, repeats: int = 5) -> float:
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), float32_products(bf16 and emulated):
             model(input_ids=sequences).logits.float().logsumexp(-1).mean().backward()
-            with torch.no_grad():
-                cache = DynamicCache(config=one_block)
-                out = model(input_ids=prompts, use_cache=True, **{keyword: cache})
-                for _ in range(16):
-                    out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{keyword: cache})
+            greedy_decoding_seconds(model, prompts, 16)
         return time.perf_counter() - started
 
     seconds(False), seconds(True)
