@@ -39,9 +39,10 @@ def test_over_a_real_vocabulary_the_blocked_draw_follows_the_softmax_at_block_ed
     assert_follows(draws, torch.softmax(scores, dim=-1), kept)
 
 
-def test_the_blocked_search_picks_what_the_search_over_the_whole_cumulative_sum_picks():
+@pytest.mark.parametrize("vocabulary", [2 * DRAW_BLOCK + 300, 3 * DRAW_BLOCK])  # with a part block and without
+def test_the_blocked_search_picks_what_the_search_over_the_whole_cumulative_sum_picks(vocabulary):
     torch.manual_seed(0)
-    probabilities = torch.softmax(3 * torch.randn(64, 2 * DRAW_BLOCK + 300, dtype=torch.float64), dim=-1)
+    probabilities = torch.softmax(3 * torch.randn(64, vocabulary, dtype=torch.float64), dim=-1)
     probabilities[:, DRAW_BLOCK - 5 : DRAW_BLOCK + 5] = 0  # zeros across a block's edge
     cumulative = probabilities.cumsum(-1)
     points = (1 - torch.rand(64, 1, dtype=torch.float64)) * cumulative[:, -1:]
@@ -65,6 +66,10 @@ def test_a_blocked_draw_is_the_token_whose_slice_holds_the_point_and_never_one_o
     assert token(1.0) == 5  # the total: not token 6, of probability zero
     # a block's total a little above the sum inside it (float32 against float64): the block's last token that can be drawn
     assert token(1.0 + 1e-9, torch.tensor([[0.25, 0.25, 1.0 + 1e-9, 1.0 + 1e-9]], dtype=torch.float64)) == 5
+    # the same in a part block: its last token, not a column past the vocabulary
+    part = torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    point = torch.tensor([[1.0 + 1e-9]], dtype=torch.float64)
+    assert int(tokens_in_blocks(part, torch.tensor([[0.75, 1.0 + 1e-9]], dtype=torch.float64), point, block=2)) == 2
 
 
 def test_a_draw_is_the_token_whose_slice_of_the_cumulative_distribution_holds_it():
