@@ -18,6 +18,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cancel.agents.environment import EnvironmentFailure
@@ -213,6 +214,12 @@ class LitCancelCLI(LightningCLI):
         lr = self.config.fit.get("model.init_args.optimizer.init_args.lr")
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
+        if (self.config.fit.get("model.init_args.optimizer.init_args.fused") and self.trainer.gradient_clip_val
+                and isinstance(self.trainer.precision_plugin, MixedPrecision)):
+            raise ConfigError(
+                f"model.init_args.optimizer.init_args.fused: true does not work with trainer.precision {self.trainer.precision} "
+                f"and trainer.gradient_clip_val {self.trainer.gradient_clip_val:g}: Lightning's mixed precision does not clip a "
+                "fused optimizer's gradients; set fused false, precision 32-true or gradient_clip_val null")
         self.check_trainer()
         self.check_task()
         self.check_reward()

@@ -140,6 +140,17 @@ def test_a_learning_rate_at_or_below_zero_is_refused_at_start_up(tmp_path, monke
     assert lines[-1] == f"error: model.init_args.optimizer.init_args.lr must be > 0, got {shown}"
 
 
+def test_a_fused_optimizer_under_mixed_precision_with_clipping_is_refused_at_start_up(tmp_path, monkeypatch, capsys, validations):
+    args = quick_args(tmp_path, 2, "--model.init_args.optimizer.init_args.fused=true", "--trainer.precision=bf16-mixed")
+    status, lines = console(monkeypatch, capsys, *args)
+    assert (status, validations) == (2, [])
+    assert lines[-1] == (
+        "error: model.init_args.optimizer.init_args.fused: true does not work with trainer.precision bf16-mixed and "
+        "trainer.gradient_clip_val 1: Lightning's mixed precision does not clip a fused optimizer's gradients; set fused "
+        "false, precision 32-true or gradient_clip_val null"
+    )
+
+
 def test_a_mistyped_objective_is_one_line_naming_the_presets(tmp_path, monkeypatch, capsys):
     status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 2, "--model.init_args.objective=lit_cancel.GRPOO"))
     assert status == 2
