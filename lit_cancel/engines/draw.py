@@ -22,10 +22,16 @@ def sample_tokens(scores: Tensor) -> Tensor:
     dtype = torch.float32 if scores.device.type == "mps" else torch.float64
     probabilities = torch.softmax(scores, dim=-1)
     if probabilities.shape[-1] <= BLOCKED_FROM:
-        cumulative = probabilities.cumsum(-1, dtype=dtype)
-        return tokens_at(cumulative, _uniform_points(cumulative[:, -1:]))
+        return draw_over_whole(probabilities, dtype)
     running = block_sums(probabilities, DRAW_BLOCK).to(dtype).cumsum(-1)
     return tokens_in_blocks(probabilities, running, _uniform_points(running[:, -1:]), DRAW_BLOCK)
+
+
+def draw_over_whole(probabilities: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """One token per row of ``probabilities`` from one cumulative sum in ``dtype`` over the whole vocabulary: the draw
+    below :data:`BLOCKED_FROM` tokens."""
+    cumulative = probabilities.cumsum(-1, dtype=dtype)
+    return tokens_at(cumulative, _uniform_points(cumulative[:, -1:]))
 
 
 def _uniform_points(total: Tensor) -> Tensor:
