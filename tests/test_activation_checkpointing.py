@@ -1,5 +1,9 @@
 """``activation_checkpointing: auto``: what a training pass keeps per mode, and the fastest mode that fits."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -172,3 +176,17 @@ def test_auto_is_refused_with_a_datamodule_that_cannot_tell_its_micro_batch():
                         enable_model_summary=False, limit_val_batches=0)
     with pytest.raises(ValueError, match="auto sizes the micro-batch from a RolloutDataModule's round, and SFTDataModule has none"):
         trainer.fit(module, datamodule=data)
+
+
+def test_every_process_takes_process_0s_auto_choices(tmp_path):
+    """Over two processes each measures its own answers; process 1's disagree with process 0's on purpose
+    (tests/workers/auto_choices.py), and both train with process 0's."""
+    script = Path(__file__).parent / "workers" / "auto_choices.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "choices")], check=True, capture_output=True, timeout=300)
+    first, second = (torch.load(tmp_path / f"choices-rank{rank}.pt") for rank in (0, 1))
+    [measured] = first["measured_on_rank0"]
+    for seen in (first, second):
+        assert seen["compile"] is False and seen["decoder_compiled"] is False  # process 1 measured true
+        assert seen["activation_checkpointing"] == measured
+        assert seen["blocks_checkpointed"] == (measured in ("blocks", "blocks+chunks"))
+        assert seen["recompute_chunks"] == (measured in ("chunks", "blocks+chunks"))
