@@ -16,7 +16,10 @@ chunks of ``C`` tokens, of a model of ``B`` blocks then keeps about
 * ``blocks+chunks``: ``T x`` a final state, a chunk's block inputs and one block's activations of a chunk.
 
 A mode that keeps more is faster only by the forwards it does not recompute. Every mode recomputes the head's logits
-chunk by chunk; ``blocks`` and ``chunks`` recompute the blocks' forward once more, ``blocks+chunks`` twice. With the
+chunk by chunk; ``blocks`` and ``chunks`` recompute the blocks' forward once more, ``blocks+chunks`` twice, except
+where the training steps send each chunk's gradient back as soon as its forward ends (an on-policy run of one process
+whose objective's credits do not depend on the log-prob values, ``RLModule.sends_chunks_back``): then the chunk modes
+recompute no chunk, and ``chunks`` keeps one chunk's activations at the time of no checkpointing. With the
 blocks' share ``b`` of a forward's FLOPs (the rest is the head, applied at completion positions only), a training pass
 takes, in forwards, ``3 + (1 - b)`` with no checkpointing, ``b`` more with ``blocks`` or ``chunks`` and ``2b`` more with
 both. Of the modes whose estimate is within half the memory at hand (the CPU's available memory; on a GPU its free
@@ -167,25 +170,27 @@ def training_pass_bytes(mode: bool | str, kept: KeptPerToken, blocks: int, rows:
     return tokens * kept.final_state + chunk * (blocks * kept.block_input + activations)
 
 
-def pass_time(mode: bool | str, block_share: float) -> float:
+def pass_time(mode: bool | str, block_share: float, chunks_sent_back: bool = False) -> float:
     """A training pass's FLOPs in ``mode``, in forwards: forward, backward (two), the head's recomputation and the
-    blocks' recomputations; ``block_share`` is the blocks' share of a forward."""
-    return 3 + (1 - block_share) + RECOMPUTED_BLOCK_PASSES[mode] * block_share
+    blocks' recomputations; ``block_share`` is the blocks' share of a forward. With ``chunks_sent_back`` the chunk modes
+    recompute no chunk (:func:`lit_cancel.logprobs.backward_by_chunk`)."""
+    recomputed = RECOMPUTED_BLOCK_PASSES[mode] - (chunks_sent_back and mode in ("chunks", "blocks+chunks"))
+    return 3 + (1 - block_share) + recomputed * block_share
 
 
 def choose_checkpointing(kept: KeptPerToken, blocks: int, rows: int, row_tokens: int, chunk_tokens: int | None,
                          memory_at_hand: int, parameter_bytes: int, held_bytes: int = 0,
-                         block_share: float = 1.0) -> CheckpointingChoice:
+                         block_share: float = 1.0, chunks_sent_back: bool = False) -> CheckpointingChoice:
     """Of the modes whose training pass keeps at most :data:`SHARE` of ``memory_at_hand`` less the optimizer's copies
     of ``parameter_bytes``, the one with the least :func:`pass_time` x expected peak (``held_bytes``, what the process
     holds now, the optimizer's copies and the pass); the leanest where none fits. The chunk modes only with
-    ``chunk_tokens``."""
+    ``chunk_tokens``; ``chunks_sent_back``: they recompute no chunk."""
     modes = MODES if chunk_tokens else MODES[:2]
     estimates = {mode: training_pass_bytes(mode, kept, blocks, rows, row_tokens, chunk_tokens) for mode in modes}
     optimizer_bytes = OPTIMIZER_COPIES * parameter_bytes
     budget = SHARE * memory_at_hand - optimizer_bytes
     peaks = {mode: held_bytes + optimizer_bytes + estimates[mode] for mode in modes}
-    costs = {mode: pass_time(mode, block_share) * peaks[mode] for mode in modes}
+    costs = {mode: pass_time(mode, block_share, chunks_sent_back) * peaks[mode] for mode in modes}
     fitting = [mode for mode in modes if estimates[mode] <= budget]
     mode = min(fitting, key=costs.__getitem__) if fitting else min(modes, key=estimates.__getitem__)
     per_mode = ", ".join(f"{mode_name(m)} {estimates[m] / 2**30:.2f} GiB ({costs[m] / costs[mode]:.2f})" for m in modes)
@@ -231,9 +236,10 @@ def held_now(device: torch.device) -> int:
         return 0
 
 
-def auto_checkpointing(module, trainer, rows: int, row_tokens: int) -> CheckpointingChoice:
+def auto_checkpointing(module, trainer, rows: int, row_tokens: int, chunks_sent_back: bool = False) -> CheckpointingChoice:
     """The mode for ``module``'s fit under ``trainer``, whose micro-batches hold ``rows`` rows of ``row_tokens`` tokens at
-    most in each process (the datamodule tells: ``RolloutDataModule.micro_batch_shape``)."""
+    most in each process (the datamodule tells: ``RolloutDataModule.micro_batch_shape``); ``chunks_sent_back``: its
+    training steps send each chunk's gradient back at once (``RLModule.sends_chunks_back``)."""
     model = module.policy.model
     device = trainer.strategy.root_device
     at_hand = memory_at_hand(device)
@@ -244,4 +250,5 @@ def auto_checkpointing(module, trainer, rows: int, row_tokens: int) -> Checkpoin
     return choose_checkpointing(
         kept_per_token(model.config, autocast), model.config.num_hidden_layers, rows, row_tokens, module.max_tokens_per_chunk,
         at_hand, parameter_bytes, held_now(device), block_share(model, row_tokens, min(module.max_new_tokens, row_tokens)),
+        chunks_sent_back,
     )

@@ -12,6 +12,9 @@ states, not with every block's activations over the whole batch.
 With ``pack=True`` each chunk is instead one row of its sequences laid end to end, positions starting
 again at each, which Hugging Face attention reads as separate sequences (flash-attention attends within
 each sequence only; SDPA and eager mask a block-diagonal attention over the whole chunk).
+Where the loss's credits are known before the pass (an on-policy step of a loss whose credits do not depend on the
+log-prob values), :func:`backward_by_chunk` sends each chunk's gradient back as soon as its forward ends: one chunk's
+activations at a time, as with ``recompute_chunks``, without the recomputation.
 
 Every decoder input is widened to a multiple of ``WIDTH_MULTIPLE`` tokens on the right (padding, or in a packed
 row a filler sequence of its own), which no real token attends to. Kernel caches are keyed by matrix shape
@@ -19,6 +22,8 @@ row a filler sequence of its own), which no real token attends to. Kernel caches
 per shape on a GPU), and completion lengths change every step: widths in steps of 8 make the same few dozen
 shapes recur instead of new ones piling up.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -234,6 +239,43 @@ def _chunked_logprobs(
     # back to the rows' own order and columns, zero on padding
     where = (torch.cat(rows), torch.cat(columns))
     return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
+
+
+def backward_by_chunk(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int, credits: Tensor,
+    backward: Callable[[Tensor], None], temperature: float = 1.0, chunk_size: int = 1024, max_tokens_per_chunk: int = 1024,
+    pack: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The training pass of a loss whose credits are known before it (``-d loss / d logprobs``, ``credits``, ``[B, C]``):
+    the decoder runs in :func:`completion_logprobs`'s chunks, and each chunk's surrogate ``-sum(credits x logprobs)``,
+    whose gradient is the loss's on that chunk's tokens, goes to ``backward`` before the next chunk's forward. The pass
+    keeps one chunk's activations at a time and recomputes nothing.
+
+    Returns ``(logprobs, entropy)`` (``[B, C]``, detached, zero on padding) and the last chunk's surrogate, with its graph,
+    for the caller to send back itself."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    chunks = token_budget_chunks(attention_mask, max_tokens_per_chunk) if pack else length_sorted_chunks(
+        attention_mask, prompt_length, max_tokens_per_chunk)
+    completion = attention_mask[:, prompt_length:].bool()
+    chunk_states = _packed_states if pack else _padded_states
+    logprobs = torch.zeros(completion.shape, device=input_ids.device)
+    entropy = torch.zeros(completion.shape, device=input_ids.device)
+    surrogate = None
+    for chunk in chunks:
+        if surrogate is not None:
+            backward(surrogate)
+            release_free_heap()
+        start, end = unpadded_span(attention_mask[chunk], prompt_length)
+        ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
+        tokens = completion[chunk, : end - prompt_length]
+        states = chunk_states(decoder, ids, mask, prompt_length - start)
+        chunk_logprobs, chunk_entropy = _head_stats(states, head, ids[:, prompt_length - start :][tokens], temperature, chunk_size)
+        chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
+        where = (chunk[chunk_rows], chunk_columns)
+        logprobs.index_put_(where, chunk_logprobs.detach().float())
+        entropy.index_put_(where, chunk_entropy.float())
+        surrogate = -(credits[where] * chunk_logprobs).sum()
+    return logprobs, entropy, surrogate
 
 
 def _release_between_chunks(states: Tensor) -> None:

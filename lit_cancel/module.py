@@ -20,7 +20,7 @@ from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.float32_products import float32_products, wants_float32_products
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import load_causal_lm, load_tokenizer
-from lit_cancel.logprobs import completion_logprobs, next_token_logprobs
+from lit_cancel.logprobs import backward_by_chunk, completion_logprobs, next_token_logprobs
 from lit_cancel.lora import LoRA
 from lit_cancel.objectives import Objective
 from lit_cancel.objectives.presets import GRPO
@@ -105,7 +105,10 @@ class PolicyModule(L.LightningModule, PolicySampling):
             every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, at
             the cost of one more forward pass; it keeps what ``"chunks"`` keeps, and the recomputation holds
             one chunk's block inputs and one block's activations: the least memory for long completions on
-            large models (docs/gpu.md gives the bytes per token). False: none. ``"auto"``: of the modes whose
+            large models (docs/gpu.md gives the bytes per token). Where the step's credits are known before its pass
+            (:meth:`sends_chunks_back`: one process, on-policy, an objective such as GRPO without KL or entropy terms),
+            each chunk's gradient goes back as soon as its forward ends: ``"chunks"`` then recomputes nothing and keeps
+            one chunk's activations. False: none. ``"auto"``: of the modes whose
             training pass fits half the memory at hand, the one with the least modelled time x expected peak,
             chosen when fitting starts and stated in the log with that peak (:mod:`lit_cancel.activation_checkpointing`).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
@@ -175,14 +178,24 @@ class PolicyModule(L.LightningModule, PolicySampling):
         self.val_accuracy, self.val_greedy_accuracy = MeanMetric(), MeanMetric()
         self.val_failures = FailureCount()  # the episodes of the validation in progress that failed
 
+    def chunks_sent_back_in_fit(self) -> bool:
+        """Whether this fit's training steps send each chunk's gradient back as soon as its forward ends (none here)."""
+        return False
+
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         """The backward pass in the forward pass's products (:mod:`lit_cancel.float32_products`)."""
         with float32_products(self.policy.float32_products):
             super().backward(loss, *args, **kwargs)
 
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad()
         self.weights_version += 1
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        """Nothing: the gradients are dropped after each optimizer step instead (:meth:`optimizer_step`). Lightning zeroes
+        them after the training step and before its backward, and a training step may have sent gradients back by then
+        (:func:`lit_cancel.logprobs.backward_by_chunk`)."""
 
     def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
@@ -210,7 +223,7 @@ class PolicyModule(L.LightningModule, PolicySampling):
                 root.float32_products = widen
         if stage == "fit" and self.activation_checkpointing == AUTO:
             shape = self.trainer.datamodule.micro_batch_shape(self.max_new_tokens)
-            choice = self.trainer.strategy.broadcast(auto_checkpointing(self, self.trainer, *shape))
+            choice = self.trainer.strategy.broadcast(auto_checkpointing(self, self.trainer, *shape, self.chunks_sent_back_in_fit()))
             self.activation_checkpointing = choice.mode
             self.recompute_chunks = use_activation_checkpointing(self.policy.model, choice.mode)
             rank_zero_info(f"model.init_args.activation_checkpointing auto: {mode_name(choice.mode)} ({choice.reason})")
@@ -443,10 +456,22 @@ class RLModule(PolicyModule):
         return (logprobs * mask.to(self.device)).sum(1)
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> dict:
-        logprobs, entropy = self.completion_logprobs(
-            self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
-        )
-        out = self.objective(logprobs, batch)
+        if self.sends_chunks_back(batch.old_logprobs is not None, batch.sampler_logprobs is not None):
+            # the credits do not depend on the pass's log-probs: each chunk's gradient goes back as soon as it is known
+            credits = self.objective(torch.zeros_like(batch.completion_mask, dtype=torch.float32), batch).credits
+            logprobs, entropy, last_chunk = self.policy(
+                backward_by_chunk, batch.input_ids, batch.attention_mask, batch.prompt_length, credits,
+                self.chunk_backward, self.temperature, self.logprob_chunk_size, self.max_tokens_per_chunk, self.pack_sequences,
+            )
+            out = self.objective(logprobs, batch)
+            # Lightning sends back the last chunk's gradient; the value is the loss's
+            loss = last_chunk + (out.loss - last_chunk.detach())
+        else:
+            logprobs, entropy = self.completion_logprobs(
+                self.policy, batch.input_ids, batch.attention_mask, batch.prompt_length
+            )
+            out = self.objective(logprobs, batch)
+            loss = out.loss
         self.nonfinite_loss = self.nonfinite_loss | ~torch.isfinite(out.loss.detach())
         mask = batch.completion_mask
         size = len(batch)
@@ -454,7 +479,30 @@ class RLModule(PolicyModule):
         self.log("health/entropy", (entropy * mask).sum() / mask.sum().clamp(min=1), batch_size=size)
         if batch.stats:
             self.log_step_stats(batch.stats, size)
-        return {"loss": out.loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
+        return {"loss": loss, "credits": out.credits, "logprobs": logprobs.detach(), "entropy": entropy.detach()}
+
+    def sends_chunks_back(self, old_logprobs: bool, sampler_logprobs: bool) -> bool:
+        """Whether a training pass over a batch with (or without) old and sampler log-probs sends each chunk's gradient
+        back as soon as its forward ends (:func:`~lit_cancel.logprobs.backward_by_chunk`): the decoder runs in chunks
+        (``max_tokens_per_chunk``), the objective's credits do not depend on the pass's log-probs for such a batch, and
+        one process trains without a gradient scaler (under DDP or sharding each backward would synchronise the
+        gradients)."""
+        trainer = self._trainer  # a training step called without one runs alone, unscaled
+        return (
+            self.max_tokens_per_chunk is not None
+            and not self.objective.credits_need_values(old_logprobs, sampler_logprobs)
+            and (trainer is None or trainer.world_size == 1 and getattr(trainer.precision_plugin, "scaler", None) is None)
+        )
+
+    def chunks_sent_back_in_fit(self) -> bool:
+        """:meth:`sends_chunks_back` for this fit's batches: on-policy rounds (no old log-probs recorded) from an engine
+        that decodes with the module's own weights (no sampler log-probs)."""
+        off_policy = getattr(getattr(self.trainer.datamodule, "producer", None), "with_old_logprobs", True)
+        return self.sends_chunks_back(off_policy, self.engine.holds_weights)
+
+    def chunk_backward(self, loss: Tensor) -> None:
+        """A chunk's backward, scaled as Lightning scales the step's loss under gradient accumulation."""
+        self.backward(loss if self._trainer is None else loss / self._trainer.accumulate_grad_batches)
 
     def log_step_stats(self, stats: dict[str, float], batch_size: int) -> None:
         """Logs the statistics of this optimizer step's rollouts (``RolloutBatch.stats``); one logged at an earlier step

@@ -122,6 +122,11 @@ def test_auto_keeps_blocks_for_long_rows_of_a_24m_model_with_memory_to_spare():
     assert choice.mode in ("blocks", "blocks+chunks")
     peak = 2**29 + 3 * parameter_bytes + training_pass_bytes(choice.mode, kept, 8, 64, 264, 1024)
     assert f"expected peak {peak / 2**30:.2f} GiB" in choice.reason
+    # where the steps send each chunk back, chunks recompute nothing: as fast as none, for a chunk's activations
+    sent_back = choose_checkpointing(kept, 8, 64, 264, 1024, 64 * 2**30, parameter_bytes, 2**29,
+                                     block_share(AutoModelForCausalLM.from_config(config), 264, 256), chunks_sent_back=True)
+    assert sent_back.mode == "chunks"
+    assert training_pass_bytes("chunks", kept, 8, 64, 264, 1024) < 0.5 * none
 
 
 def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
@@ -145,11 +150,13 @@ def test_auto_is_chosen_when_fitting_starts_and_stated(monkeypatch, caplog):
 
 
 def test_auto_keeps_everything_where_the_pass_is_small_next_to_what_the_process_holds(monkeypatch, caplog):
-    """The tiny model's pass over 16 short rows keeps a few MiB, against the hundreds the process holds: recomputing
-    would cost time and save next to nothing of the peak."""
+    """The tiny model's pass over 8 short rows keeps a few MiB, against the hundreds the process holds: recomputing
+    would cost time and save next to nothing of the peak. Two steps a round: the second is off-policy, so the chunks
+    are not sent back during the step and would be recomputed."""
     monkeypatch.setattr(activation_checkpointing, "memory_at_hand", lambda device: 64 * 2**30)
     module = RLModule("embedded:tiny-adder", max_new_tokens=24, activation_checkpointing="auto", max_tokens_per_chunk=64)
-    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4,
+                             mini_batches_per_round=2)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
     with caplog.at_level("INFO"):
@@ -157,6 +164,21 @@ def test_auto_keeps_everything_where_the_pass_is_small_next_to_what_the_process_
     assert module.activation_checkpointing is False and not checkpoints_blocks(module.policy.model)
     assert not module.recompute_chunks
     assert "activation_checkpointing auto: none (expected peak " in caplog.text
+
+
+def test_auto_takes_chunks_where_the_steps_send_them_back(monkeypatch, caplog):
+    """On-policy GRPO in one process: each chunk's gradient goes back as its forward ends, so the chunk mode recomputes
+    nothing and keeps one chunk's activations: as fast as keeping everything, for less memory."""
+    monkeypatch.setattr(activation_checkpointing, "memory_at_hand", lambda device: 64 * 2**30)
+    module = RLModule("embedded:tiny-adder", max_new_tokens=24, activation_checkpointing="auto", max_tokens_per_chunk=64)
+    data = RolloutDataModule(AdditionTask(num_digits=3, train_size=32, val_size=4), prompts_per_round=4, group_size=4)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    with caplog.at_level("INFO"):
+        trainer.fit(module, datamodule=data)
+    assert module.chunks_sent_back_in_fit()
+    assert module.activation_checkpointing == "chunks" and not checkpoints_blocks(module.policy.model)
+    assert "activation_checkpointing auto: chunks (expected peak " in caplog.text
 
 
 def test_auto_without_memory_facts_uses_blocks(monkeypatch):

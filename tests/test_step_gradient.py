@@ -46,10 +46,14 @@ def reference_gradient(model, batch: RolloutBatch, temperature: float) -> dict[s
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_step_gradient_equals_the_plain_computation(tiny_model_path, activation_checkpointing):
+@pytest.mark.parametrize("activation_checkpointing", [False, True, "chunks"])
+@pytest.mark.parametrize("max_tokens_per_chunk", [1024, 40])  # the batch in one chunk, and in several
+def test_step_gradient_equals_the_plain_computation(tiny_model_path, activation_checkpointing, max_tokens_per_chunk):
+    """On-policy GRPO's credits do not depend on the log-probs: the step sends each chunk's gradient back as its forward
+    ends, and Lightning's backward of the returned loss adds the last chunk's."""
     module = RLModule(tiny_model_path, objective=GRPO(), max_new_tokens=12, temperature=0.9, logprob_chunk_size=7,
-                      activation_checkpointing=activation_checkpointing)
+                      activation_checkpointing=activation_checkpointing, max_tokens_per_chunk=max_tokens_per_chunk)
+    assert module.sends_chunks_back(old_logprobs=False, sampler_logprobs=False)
     batch = fixed_batch(module)
     lengths = batch.completion_mask.sum(1)
     assert lengths.min() < lengths.max(), "the batch should hold completions of different lengths"

@@ -7,7 +7,9 @@ Wraps the module's parts with timers inside a normal ``Trainer.fit`` and prints 
 milliseconds per step of each: rollout prefill and decode (model forwards over whole prompts, and
 everything else in sampling), reward, advantages, old/reference log-probs, the training forward
 (``training_step``), backward, optimizer (clipping, step, zero_grad) and the rest (Lightning,
-batching, logging). ``--decode-loop false`` samples with Hugging Face ``generate`` instead.
+batching, logging). ``--decode-loop false`` samples with Hugging Face ``generate`` instead. Where the training step
+sends each chunk's gradient back as its forward ends (``RLModule.sends_chunks_back``), "training forward" holds the
+backward of every chunk but the last, and "backward" that last chunk's.
 """
 
 import argparse

@@ -57,6 +57,12 @@ class Objective(ABC):
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
         """The loss and credits for ``logprobs`` (``[B, C]``, with grad) of ``batch``'s completions."""
 
+    def credits_need_values(self, old_logprobs: bool, sampler_logprobs: bool) -> bool:
+        """Whether the output depends on the log-prob values of the training pass, for batches with (or without) old and
+        sampler log-probs. Where it does not, the training pass may send each chunk's gradient back as soon as its forward
+        ends (:func:`lit_cancel.logprobs.backward_by_chunk`). An objective of your own is taken to depend on them."""
+        return True
+
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> tuple[Tensor, Tensor]:
     """A per-token estimate of KL(policy || reference) and its derivative w.r.t. ``logprobs``.
@@ -167,6 +173,11 @@ class PolicyGradient(Objective):
 
     def advantages(self, rewards: Tensor, members: Tensor | None = None) -> Tensor:
         return member_advantages(self.advantage, rewards, members)
+
+    def credits_need_values(self, old_logprobs: bool, sampler_logprobs: bool) -> bool:
+        """Without old and sampler log-probs every ratio is ``exp(logp - sg(logp)) = 1``: the output is a function of the
+        batch alone, unless a KL or entropy term reads the values."""
+        return old_logprobs or sampler_logprobs or self.kl_coef > 0 or self.entropy_coef > 0
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
         check_step_counts(type(self).__name__, batch)

@@ -285,3 +285,25 @@ def test_kl_share_is_the_kl_terms_share_of_the_credit_mass_in_every_objective(na
 def test_bad_options_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_an_objective_whose_credits_need_no_values_gives_the_same_output_at_any_log_probs(name):
+    """Where ``credits_need_values`` says no (no old or sampler log-probs, no KL or entropy term), the training pass takes
+    the credits from the objective at zeros (``RLModule.training_step``): they, the loss and every metric must be the
+    same at the pass's own log-probs."""
+    objective = OBJECTIVES[name]()
+    batch, values = random_batch(3, 5, 11, seed=3, spread=1.0, with_ref=True)
+    batch.old_logprobs = None
+    needs_values = objective.credits_need_values(old_logprobs=False, sampler_logprobs=False)
+    assert needs_values == (objective.kl_coef > 0 or objective.entropy_coef > 0)
+    assert objective.credits_need_values(old_logprobs=True, sampler_logprobs=False)
+    assert objective.credits_need_values(old_logprobs=False, sampler_logprobs=True)
+    if needs_values:  # a KL or entropy term's credits read the values (k1's happen not to: the answer may be cautious)
+        return
+    at_zeros, at_values = objective(torch.zeros_like(values), batch), objective(values, batch)
+    torch.testing.assert_close(at_zeros.credits, at_values.credits, rtol=0, atol=0)
+    torch.testing.assert_close(at_zeros.loss, at_values.loss)
+    assert at_zeros.metrics.keys() == at_values.metrics.keys()
+    for metric in at_zeros.metrics:
+        torch.testing.assert_close(at_zeros.metrics[metric], at_values.metrics[metric], msg=metric)

@@ -23,9 +23,9 @@ RANK = int(os.environ.get("LOCAL_RANK", 0))
 measured_on_rank0 = []
 
 
-def disagreeing_checkpointing(module, trainer, rows, row_tokens):
+def disagreeing_checkpointing(module, trainer, *shape_and_facts):
     """Process 0's own measurement; on process 1 a mode other than the one process 0 measures."""
-    choice = real_checkpointing(module, trainer, rows, row_tokens)
+    choice = real_checkpointing(module, trainer, *shape_and_facts)
     if RANK == 0:
         measured_on_rank0.append(choice.mode)
         return choice
