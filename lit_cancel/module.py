@@ -6,8 +6,9 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
@@ -191,6 +192,16 @@ class PolicyModule(L.LightningModule, PolicySampling):
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         optimizer.zero_grad()
         self.weights_version += 1
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping; under bfloat16 autocast also a fused optimizer's gradients, which Lightning's mixed
+        precision refuses to clip: such an optimizer unscales a float16 gradient scaler's gradients itself, and bfloat16
+        has no scaler, so its gradients are the true ones when they are clipped."""
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
         """Nothing: the gradients are dropped after each optimizer step instead (:meth:`optimizer_step`). Lightning zeroes

@@ -18,7 +18,6 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cancel.agents.environment import EnvironmentFailure
@@ -215,11 +214,12 @@ class LitCancelCLI(LightningCLI):
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
         if (self.config.fit.get("model.init_args.optimizer.init_args.fused") and self.trainer.gradient_clip_val
-                and isinstance(self.trainer.precision_plugin, MixedPrecision)):
+                and getattr(self.trainer.precision_plugin, "scaler", None) is not None):
             raise ConfigError(
                 f"model.init_args.optimizer.init_args.fused: true does not work with trainer.precision {self.trainer.precision} "
-                f"and trainer.gradient_clip_val {self.trainer.gradient_clip_val:g}: Lightning's mixed precision does not clip a "
-                "fused optimizer's gradients; set fused false, precision 32-true or gradient_clip_val null")
+                f"and trainer.gradient_clip_val {self.trainer.gradient_clip_val:g}: a fused optimizer unscales the float16 "
+                "gradient scaler's gradients itself, after they would be clipped; set fused false, precision bf16-mixed or "
+                "gradient_clip_val null")
         self.check_trainer()
         self.check_task()
         self.check_reward()

@@ -140,15 +140,22 @@ def test_a_learning_rate_at_or_below_zero_is_refused_at_start_up(tmp_path, monke
     assert lines[-1] == f"error: model.init_args.optimizer.init_args.lr must be > 0, got {shown}"
 
 
-def test_a_fused_optimizer_under_mixed_precision_with_clipping_is_refused_at_start_up(tmp_path, monkeypatch, capsys, validations):
-    args = quick_args(tmp_path, 2, "--model.init_args.optimizer.init_args.fused=true", "--trainer.precision=bf16-mixed")
-    status, lines = console(monkeypatch, capsys, *args)
+def test_a_fused_optimizer_under_a_float16_scaler_with_clipping_is_refused_at_start_up(tmp_path, monkeypatch, capsys, validations):
+    """A float16 gradient scaler (a GPU's 16-mixed; here Lightning's plugin made on a CPU) leaves the unscaling to a fused
+    optimizer, after clipping; under bf16-mixed the module clips (tests/run/test_precision.py)."""
+    fused = "--model.init_args.optimizer.init_args.fused=true"
+    scaled = ["--trainer.plugins=lightning.pytorch.plugins.precision.MixedPrecision", "--trainer.plugins.precision=16-mixed",
+              "--trainer.plugins.device=cpu"]
+    status, lines = console(monkeypatch, capsys, *quick_args(tmp_path, 2, fused, *scaled))
     assert (status, validations) == (2, [])
     assert lines[-1] == (
-        "error: model.init_args.optimizer.init_args.fused: true does not work with trainer.precision bf16-mixed and "
-        "trainer.gradient_clip_val 1: Lightning's mixed precision does not clip a fused optimizer's gradients; set fused "
-        "false, precision 32-true or gradient_clip_val null"
+        "error: model.init_args.optimizer.init_args.fused: true does not work with trainer.precision 16-mixed and "
+        "trainer.gradient_clip_val 1: a fused optimizer unscales the float16 gradient scaler's gradients itself, after they "
+        "would be clipped; set fused false, precision bf16-mixed or gradient_clip_val null"
     )
+    monkeypatch.setattr(sys, "argv", ["lit-cancel", *quick_args(tmp_path / "bf16", 2, fused, "--trainer.precision=bf16-mixed")])
+    commands.main()
+    assert "fit" in validations
 
 
 def test_a_mistyped_objective_is_one_line_naming_the_presets(tmp_path, monkeypatch, capsys):
