@@ -175,9 +175,12 @@ class PolicyGradient(Objective):
         return member_advantages(self.advantage, rewards, members)
 
     def credits_need_values(self, old_logprobs: bool, sampler_logprobs: bool) -> bool:
-        """Without old and sampler log-probs every ratio is ``exp(logp - sg(logp)) = 1``: the output is a function of the
-        batch alone, unless a KL or entropy term reads the values."""
-        return old_logprobs or sampler_logprobs or self.kl_coef > 0 or self.entropy_coef > 0
+        """Without old and sampler log-probs every ratio is ``exp(logp - sg(logp)) = 1``, and the parts (clip, normaliser,
+        trust region, group transform) see only ratios: the output is a function of the batch alone, unless a KL or
+        entropy term reads the values, or a subclass computes the loss its own way (overrides one of the methods that
+        make it)."""
+        own_loss = any(getattr(type(self), name) is not getattr(PolicyGradient, name) for name in _LOSS_METHODS)
+        return own_loss or old_logprobs or sampler_logprobs or self.kl_coef > 0 or self.entropy_coef > 0
 
     def __call__(self, logprobs: Tensor, batch: RolloutBatch) -> ObjectiveOutput:
         check_step_counts(type(self).__name__, batch)
@@ -288,3 +291,7 @@ def check_step_counts(name: str, batch: RolloutBatch) -> None:
             f"set step_sequences=len(batch) and step_tokens=float(batch.completion_mask.sum()) "
             f"(RolloutDataModule sets both, divided by the micro-batches and processes averaged over)"
         )
+
+
+# the methods of PolicyGradient that compute its output from the log-probs
+_LOSS_METHODS = ("__call__", "mismatch_corrected", "within_trust_region", "policy_term", "kl_term", "entropy_term")

@@ -307,3 +307,16 @@ def test_an_objective_whose_credits_need_no_values_gives_the_same_output_at_any_
     assert at_zeros.metrics.keys() == at_values.metrics.keys()
     for metric in at_zeros.metrics:
         torch.testing.assert_close(at_zeros.metrics[metric], at_values.metrics[metric], msg=metric)
+
+
+def test_a_subclass_that_computes_the_loss_its_own_way_is_taken_to_read_the_values():
+    """Its credits are not known before the pass: the training step runs the whole pass, then the objective."""
+
+    class Scaled(GRPO):
+        def __call__(self, logprobs, batch):
+            out = super().__call__(logprobs, batch)
+            out.loss = out.loss * logprobs.detach().mean().exp()
+            return out
+
+    assert not GRPO().credits_need_values(old_logprobs=False, sampler_logprobs=False)
+    assert Scaled().credits_need_values(old_logprobs=False, sampler_logprobs=False)
