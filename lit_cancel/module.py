@@ -3,12 +3,10 @@
 import copy
 from typing import Literal
 
-import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
@@ -18,7 +16,8 @@ from lit_cancel.batch import RolloutBatch
 from lit_cancel.compile_choice import AUTO as COMPILE_AUTO
 from lit_cancel.compile_choice import auto_compile
 from lit_cancel.engines import DecodeLoop, RolloutEngine
-from lit_cancel.float32_products import float32_products, wants_float32_products
+from lit_cancel.float32_products import wants_float32_products
+from lit_cancel.gradients import StepGradients
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import backward_by_chunk, completion_logprobs, next_token_logprobs
@@ -55,7 +54,7 @@ def _base_model_logprobs(model: nn.Module, *args) -> tuple[Tensor, Tensor]:
         return completion_logprobs(model, *args)
 
 
-class PolicyModule(L.LightningModule, PolicySampling):
+class PolicyModule(StepGradients, PolicySampling):
     """A Hugging Face causal LM with sampling and held-out accuracy; the base of the training modules.
 
     Validation batches are dicts with ``input_ids``, ``attention_mask`` (left-padded prompts) and
@@ -106,10 +105,8 @@ class PolicyModule(L.LightningModule, PolicySampling):
             every block at a time: the least memory for models of few blocks. ``"blocks+chunks"``: both, at
             the cost of one more forward pass; it keeps what ``"chunks"`` keeps, and the recomputation holds
             one chunk's block inputs and one block's activations: the least memory for long completions on
-            large models (docs/gpu.md gives the bytes per token). Where the step's credits are known before its pass
-            (:meth:`sends_chunks_back`: one process, on-policy, an objective such as GRPO without KL or entropy terms),
-            each chunk's gradient goes back as soon as its forward ends: ``"chunks"`` then recomputes nothing and keeps
-            one chunk's activations. False: none. ``"auto"``: of the modes whose
+            large models (docs/gpu.md gives the bytes per token); where the steps send each chunk's gradient back at
+            once (``RLModule.sends_chunks_back``), ``"chunks"`` recomputes nothing. False: none. ``"auto"``: of the modes whose
             training pass fits half the memory at hand, the one with the least modelled time x expected peak,
             chosen when fitting starts and stated in the log with that peak (:mod:`lit_cancel.activation_checkpointing`).
         generation_kwargs: further ``GenerationConfig`` options for sampling, e.g.
@@ -183,30 +180,9 @@ class PolicyModule(L.LightningModule, PolicySampling):
         """Whether this fit's training steps send each chunk's gradient back as soon as its forward ends (none here)."""
         return False
 
-    def backward(self, loss: Tensor, *args, **kwargs) -> None:
-        """The backward pass in the forward pass's products (:mod:`lit_cancel.float32_products`)."""
-        with float32_products(self.policy.float32_products):
-            super().backward(loss, *args, **kwargs)
-
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        optimizer.zero_grad()
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
         self.weights_version += 1
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Lightning's clipping; under bfloat16 autocast also a fused optimizer's gradients, which Lightning's mixed
-        precision refuses to clip: such an optimizer unscales a float16 gradient scaler's gradients itself, and bfloat16
-        has no scaler, so its gradients are the true ones when they are clipped."""
-        plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
-        """Nothing: the gradients are dropped after each optimizer step instead (:meth:`optimizer_step`). Lightning zeroes
-        them after the training step and before its backward, and a training step may have sent gradients back by then
-        (:func:`lit_cancel.logprobs.backward_by_chunk`)."""
 
     def completion_logprobs(self, root: ModelRoot, input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:
         """``(logprobs, entropy)`` of the completion tokens under ``root``'s model at the sampling temperature."""
