@@ -9,6 +9,12 @@ from typing_extensions import override
 from lit_cancel.float32_products import float32_products
 
 
+def scales_gradients(trainer: L.Trainer) -> bool:
+    """Whether ``trainer``'s precision has a gradient scaler (float16's): the gradients stay scaled until the optimizer
+    step unscales them."""
+    return getattr(trainer.precision_plugin, "scaler", None) is not None
+
+
 class StepGradients(L.LightningModule):
     """A LightningModule of a ``policy`` (:class:`~lit_cancel.sharding.ModelRoot`) whose backward pass runs in the
     forward pass's products (:mod:`lit_cancel.float32_products`), whose gradients are dropped after each optimizer step,
@@ -41,7 +47,7 @@ class StepGradients(L.LightningModule):
     @override
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and not scales_gradients(self.trainer):
             Precision.clip_gradients(plugin, optimizer, gradient_clip_val, GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

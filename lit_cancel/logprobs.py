@@ -207,38 +207,50 @@ def _chunked_logprobs(
     """:func:`completion_logprobs` with the decoder in chunks (length-sorted, or packed) and the head on completion
     tokens only."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    if pack:
-        chunks = token_budget_chunks(attention_mask, max_tokens_per_chunk)
-    else:
-        chunks = length_sorted_chunks(attention_mask, prompt_length, max_tokens_per_chunk)
+    chunks = _chunks(attention_mask, prompt_length, max_tokens_per_chunk, pack)
     if dist.is_initialized() and any(is_sharded(module) for module in model.modules()):
         # each decoder call gathers every block's shards, and its backward reduces them: all processes make as many calls
         count = torch.tensor(len(chunks), device=attention_mask.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         chunks = _split_to(chunks, int(count))
-    completion = attention_mask[:, prompt_length:].bool()
     chunk_states = _packed_states if pack else _padded_states
     recompute = recompute_chunks and torch.is_grad_enabled() and any(p.requires_grad for p in decoder.parameters())
     states, targets, rows, columns = [], [], [], []
-    for chunk in chunks:
-        start, end = unpadded_span(attention_mask[chunk], prompt_length)
-        ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
-        tokens = completion[chunk, : end - prompt_length]
+    for ids, mask, completion_start, tokens, (chunk_rows, chunk_columns) in _chunk_inputs(chunks, input_ids, attention_mask, prompt_length):
         if recompute:
-            chunk_out = checkpoint(chunk_states, decoder, ids, mask, prompt_length - start, use_reentrant=False)
+            chunk_out = checkpoint(chunk_states, decoder, ids, mask, completion_start, use_reentrant=False)
         else:
-            chunk_out = chunk_states(decoder, ids, mask, prompt_length - start)
+            chunk_out = chunk_states(decoder, ids, mask, completion_start)
         if chunk_out.requires_grad:
             _release_between_chunks(chunk_out)
         states.append(chunk_out)
-        targets.append(ids[:, prompt_length - start :][tokens])
-        chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
-        rows.append(chunk[chunk_rows])
+        targets.append(ids[:, completion_start:][tokens])
+        rows.append(chunk_rows)
         columns.append(chunk_columns)
     logprobs, entropy = _head_stats(torch.cat(states), head, torch.cat(targets), temperature, chunk_size)
     # back to the rows' own order and columns, zero on padding
     where = (torch.cat(rows), torch.cat(columns))
-    return logprobs.new_zeros(completion.shape).index_put(where, logprobs), entropy.new_zeros(completion.shape).index_put(where, entropy)
+    shape = (len(input_ids), input_ids.shape[1] - prompt_length)
+    return logprobs.new_zeros(shape).index_put(where, logprobs), entropy.new_zeros(shape).index_put(where, entropy)
+
+
+def _chunks(attention_mask: Tensor, prompt_length: int, max_tokens_per_chunk: int, pack: bool) -> list[Tensor]:
+    if pack:
+        return token_budget_chunks(attention_mask, max_tokens_per_chunk)
+    return length_sorted_chunks(attention_mask, prompt_length, max_tokens_per_chunk)
+
+
+def _chunk_inputs(chunks: list[Tensor], input_ids: Tensor, attention_mask: Tensor, prompt_length: int):
+    """For each chunk (row indices), its rows cut to their unpadded span: ``(ids, mask, completion_start, tokens,
+    where)``, where the completions start in them, their completion tokens' mask, and those tokens' (rows, columns) in
+    the batch's ``[B, C]`` completions."""
+    completion = attention_mask[:, prompt_length:].bool()
+    for chunk in chunks:
+        start, end = unpadded_span(attention_mask[chunk], prompt_length)
+        tokens = completion[chunk, : end - prompt_length]
+        chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
+        where = (chunk[chunk_rows], chunk_columns)
+        yield input_ids[chunk, start:end], attention_mask[chunk, start:end], prompt_length - start, tokens, where
 
 
 def backward_by_chunk(
@@ -254,24 +266,17 @@ def backward_by_chunk(
     Returns ``(logprobs, entropy)`` (``[B, C]``, detached, zero on padding) and the last chunk's surrogate, with its graph,
     for the caller to send back itself."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunks = token_budget_chunks(attention_mask, max_tokens_per_chunk) if pack else length_sorted_chunks(
-        attention_mask, prompt_length, max_tokens_per_chunk)
-    completion = attention_mask[:, prompt_length:].bool()
+    chunks = _chunks(attention_mask, prompt_length, max_tokens_per_chunk, pack)
     chunk_states = _packed_states if pack else _padded_states
-    logprobs = torch.zeros(completion.shape, device=input_ids.device)
-    entropy = torch.zeros(completion.shape, device=input_ids.device)
+    logprobs = torch.zeros(len(input_ids), input_ids.shape[1] - prompt_length, device=input_ids.device)
+    entropy = torch.zeros_like(logprobs)
     surrogate = None
-    for chunk in chunks:
+    for ids, mask, completion_start, tokens, where in _chunk_inputs(chunks, input_ids, attention_mask, prompt_length):
         if surrogate is not None:
             backward(surrogate)
             release_free_heap()
-        start, end = unpadded_span(attention_mask[chunk], prompt_length)
-        ids, mask = input_ids[chunk, start:end], attention_mask[chunk, start:end]
-        tokens = completion[chunk, : end - prompt_length]
-        states = chunk_states(decoder, ids, mask, prompt_length - start)
-        chunk_logprobs, chunk_entropy = _head_stats(states, head, ids[:, prompt_length - start :][tokens], temperature, chunk_size)
-        chunk_rows, chunk_columns = tokens.nonzero(as_tuple=True)
-        where = (chunk[chunk_rows], chunk_columns)
+        states = chunk_states(decoder, ids, mask, completion_start)
+        chunk_logprobs, chunk_entropy = _head_stats(states, head, ids[:, completion_start:][tokens], temperature, chunk_size)
         logprobs.index_put_(where, chunk_logprobs.detach().float())
         entropy.index_put_(where, chunk_entropy.float())
         surrogate = -(credits[where] * chunk_logprobs).sum()

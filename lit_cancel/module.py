@@ -17,7 +17,7 @@ from lit_cancel.compile_choice import AUTO as COMPILE_AUTO
 from lit_cancel.compile_choice import auto_compile
 from lit_cancel.engines import DecodeLoop, RolloutEngine
 from lit_cancel.float32_products import wants_float32_products
-from lit_cancel.gradients import StepGradients
+from lit_cancel.gradients import StepGradients, scales_gradients
 from lit_cancel.host_memory import bound_kernel_cache
 from lit_cancel.hub import load_causal_lm, load_tokenizer
 from lit_cancel.logprobs import backward_by_chunk, completion_logprobs, next_token_logprobs
@@ -478,7 +478,7 @@ class RLModule(PolicyModule):
         return (
             self.max_tokens_per_chunk is not None
             and not self.objective.credits_need_values(old_logprobs, sampler_logprobs)
-            and (trainer is None or trainer.world_size == 1 and getattr(trainer.precision_plugin, "scaler", None) is None)
+            and (trainer is None or trainer.world_size == 1 and not scales_gradients(trainer))
         )
 
     def chunks_sent_back_in_fit(self) -> bool:

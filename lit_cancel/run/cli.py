@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cancel.agents.environment import EnvironmentFailure
 from lit_cancel.data import RolloutDataModule
 from lit_cancel.float32_products import emulates_bf16
+from lit_cancel.gradients import scales_gradients
 from lit_cancel.rounds.failures import FailedEpisodes
 from lit_cancel.rounds.score import RewardError, check_reward
 from lit_cancel.run.checkpointing import stops_reported
@@ -214,7 +215,7 @@ class LitCancelCLI(LightningCLI):
         if isinstance(lr, int | float) and lr <= 0:
             raise ConfigError(f"model.init_args.optimizer.init_args.lr must be > 0, got {lr:g}")
         if (self.config.fit.get("model.init_args.optimizer.init_args.fused") and self.trainer.gradient_clip_val
-                and getattr(self.trainer.precision_plugin, "scaler", None) is not None):
+                and scales_gradients(self.trainer)):
             raise ConfigError(
                 f"model.init_args.optimizer.init_args.fused: true does not work with trainer.precision {self.trainer.precision} "
                 f"and trainer.gradient_clip_val {self.trainer.gradient_clip_val:g}: a fused optimizer unscales the float16 "
